@@ -1,0 +1,38 @@
+"""rstcnn: roto-scale-translation equivariant CNNs (RST-CNN)."""
+
+from .basis import BasisFamily, BasisSpec, reference_spec, sample_basis
+from .group import RSTElement, act_on_features, act_on_image, fold, unfold
+from .layers import (
+    ConvMethod,
+    GroupMaxPool,
+    GroupRSTConv,
+    LiftingRSTConv,
+    RotationTaps,
+    RSTBatchNorm,
+    RSTMaxPool,
+)
+from .models import create_model, list_models, register_model
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BasisFamily",
+    "BasisSpec",
+    "ConvMethod",
+    "GroupMaxPool",
+    "GroupRSTConv",
+    "LiftingRSTConv",
+    "RSTBatchNorm",
+    "RSTElement",
+    "RSTMaxPool",
+    "RotationTaps",
+    "act_on_features",
+    "act_on_image",
+    "create_model",
+    "fold",
+    "list_models",
+    "reference_spec",
+    "register_model",
+    "sample_basis",
+    "unfold",
+]

@@ -1,0 +1,89 @@
+"""The paper's plain CNN baseline (Section 5.2): 3 conv layers 7x7, ~495K parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from torch import Tensor, nn
+
+from ..layers import plain_copy
+from .registry import register_model
+
+__all__ = ["CNNConfig", "CNN"]
+
+
+@dataclass(frozen=True)
+class CNNConfig:
+    in_channels: int = 1
+    num_classes: int = 10
+    input_size: int = 56
+    channels: tuple[int, ...] = (32, 63, 95)
+    kernel_size: int = 7
+    hidden: int = 256
+    dropout: float = 0.7
+    head_pool: int = 2  # the last map is max-pooled to head_pool x head_pool before the FC
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "channels", tuple(self.channels))
+        if self.kernel_size % 2 == 0 or self.kernel_size < 1:
+            raise ValueError(f"kernel_size must be odd and positive, got {self.kernel_size}")
+        if not self.channels or min(self.channels) < 1:
+            raise ValueError(f"channels must be positive, got {self.channels}")
+        if self.input_size % 2 ** len(self.channels):
+            raise ValueError(
+                f"input_size {self.input_size} must be divisible by 2**{len(self.channels)}"
+            )
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+
+class CNN(nn.Module):
+    """conv -> ReLU -> max-pool -> BN per layer, then FC(hidden) -> BN -> ReLU -> dropout -> FC.
+    x [B, Cin, H, W] -> logits [B, classes]."""
+
+    def __init__(self, config: CNNConfig):
+        super().__init__()
+        self.config = config
+        layers: list[nn.Module] = []
+        cin = config.in_channels
+        for c in config.channels:
+            layers += [
+                nn.Conv2d(cin, c, config.kernel_size, padding=config.kernel_size // 2),
+                nn.ReLU(inplace=True),
+                nn.MaxPool2d(2),
+                nn.BatchNorm2d(c),
+            ]
+            cin = c
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Sequential(
+            nn.AdaptiveMaxPool2d(config.head_pool),
+            nn.Flatten(),
+            nn.Linear(cin * config.head_pool**2, config.hidden),
+            nn.BatchNorm1d(config.hidden),
+            nn.ReLU(inplace=True),
+            nn.Dropout(config.dropout),
+            nn.Linear(config.hidden, config.num_classes),
+        )
+
+    def check_input(self, x: Tensor) -> None:
+        c, n = self.config.in_channels, self.config.input_size
+        if x.dim() != 4 or tuple(x.shape[1:]) != (c, n, n):
+            raise ValueError(f"expected input [B, {c}, {n}, {n}], got shape {tuple(x.shape)}")
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.check_input(x)
+        return self.logits(x)
+
+    def logits(self, x: Tensor) -> Tensor:
+        """``forward`` without the input check."""
+        return self.head(self.features(x))
+
+    def export(self) -> nn.Module:
+        """The model is plain torch already: an eval-mode traced copy."""
+        return plain_copy(self, "logits")
+
+
+@register_model
+def cnn(**overrides) -> CNN:
+    """Plain CNN baseline of the paper (3 conv 7x7, ~495K params)."""
+    return CNN(replace(CNNConfig(), **overrides))
