@@ -216,37 +216,37 @@ class LiftingRSTConv(_BasisConv):
             return self._add_bias(self.forward_direct(x))
         return self._add_bias(self.forward_basis(x))
 
-    def forward_direct(self, x: Tensor) -> Tensor:
-        """Reference: one conv2d per scale with every rotated filter stacked on Cout."""
-        filt = self._cached("direct", self.filters)  # [Cout, R, S, Cin, k, k]
+    def conv_weights(self) -> list[Tensor]:
+        """Per scale s, the conv2d weight ``[Cout*R, Cin, ks, ks]`` (its own kernel size)."""
         out = []
         for s in range(self.spec.num_scales):
             w = self._window(s)
-            ws = filt[:, :, s, :, w, w].flatten(0, 1)  # [Cout*R, Cin, ks, ks]
-            y = F.conv2d(x, ws, padding=ws.shape[-1] // 2)  # [B, Cout*R, H, W]
-            out.append(y.unflatten(1, (self.out_channels, self.spec.rotations)))
-        return torch.stack(out, dim=3)  # [B, Cout, R, S, H, W]
+            basis = self.basis[:, :, s, w, w]  # [K, R, ks, ks]
+            # [Cout, Cin, K] x [K, R, ks, ks] -> [Cout, R, Cin, ks, ks]
+            out.append(torch.einsum("oik,krxy->orixy", self.weight, basis).flatten(0, 1))
+        return out
+
+    def forward_direct(self, x: Tensor) -> Tensor:
+        """Reference: one conv2d per scale with every rotated filter stacked on Cout."""
+        return self._direct(x, self._cached("direct", self.conv_weights))
+
+    def _direct(self, x: Tensor, weights: list[Tensor]) -> Tensor:
+        shape = (self.out_channels, self.spec.rotations)
+        # per scale: [B, Cout*R, H, W] -> [B, Cout, R, H, W]
+        ys = [F.conv2d(x, w, padding=w.shape[-1] // 2).unflatten(1, shape) for w in weights]
+        return torch.stack(ys, dim=3)  # [B, Cout, R, S, H, W]
 
     def export(self) -> fx.GraphModule:
         """Plain-torch copy of this layer with its filters frozen (the direct path)."""
         with torch.no_grad():
-            filt = self.filters()
-        tensors = {}
-        for s in range(self.spec.num_scales):
-            w = self._window(s)
-            tensors[f"w{s}"] = filt[:, :, s, :, w, w].flatten(0, 1)  # [Cout*R, Cin, ks, ks]
+            weights = self.conv_weights()
+        tensors = {f"w{s}": w for s, w in enumerate(weights)}
         if self.bias is not None:
             tensors["bias"] = self.bias.view(1, -1, 1, 1, 1, 1)
-        shape = (self.out_channels, self.spec.rotations)
-        nsc = self.spec.num_scales
-        pads = [k // 2 for k in self.spec.kernel_sizes]
+        nsc, direct = len(weights), self._direct.__func__
 
         def forward(m: nn.Module, x: Tensor) -> Tensor:
-            ys = [
-                F.conv2d(x, getattr(m, f"w{s}"), padding=pads[s]).unflatten(1, shape)
-                for s in range(nsc)
-            ]
-            y = torch.stack(ys, dim=3)  # [B, Cout, R, S, H, W]
+            y = direct(self, x, [getattr(m, f"w{s}") for s in range(nsc)])
             return y + m.bias if hasattr(m, "bias") else y
 
         return plain_module(forward, tensors, "ExportedLiftingRSTConv")
@@ -367,71 +367,65 @@ class GroupRSTConv(_BasisConv):
         return self._add_bias(self.forward_fft(x))
 
     def choose_method(self, batch: int, h: int, w: int) -> ConvMethod:
-        """The cheaper of DIRECT and FFT by a multiply-add count, FFT only while its filter
-        spectra stay under 1 GiB (they grow with Cin Cout R S n^2, not with the batch)."""
+        """The cheaper of DIRECT and FFT by a multiply-add count. The FFT path pays for its
+        filter spectra (Cin Cout R S n^2 numbers, whatever the batch) and runs its complex
+        batched matmuls at about a quarter of conv2d's rate; it is refused while the
+        spectra outweigh both 1 GiB and the batch's own input and output spectra."""
         rot, nsc = self.spec.rotations, self.spec.num_scales
         cit, cout = self.in_channels * self.taps, self.out_channels
         n = fft_size(max(h, w) + self.spec.kernel_size // 2)
         freqs = rot * nsc * n * (n // 2 + 1)
-        spectra_bytes = freqs * cit * cout * 8
-        if spectra_bytes > 2**30:
+        if freqs * cit * cout > max(2**30 // 8, batch * (cit + cout) * freqs):
             return ConvMethod.DIRECT
         direct = batch * h * w * rot * sum(k * k for k in self.spec.kernel_sizes) * cit * cout
         build = 2 * self.spec.num_funcs * freqs * cit * cout if self.training else 0
         transforms = 5 * batch * (cit + cout) * rot * nsc * n * n * math.log2(n * n)
-        fft = 4 * batch * freqs * cit * cout + build + transforms
+        fft = 4 * (4 * batch * freqs * cit * cout + build) + transforms
         return ConvMethod.FFT if fft < direct else ConvMethod.DIRECT
+
+    def conv_weights(self) -> list[list[Tensor]]:
+        """Per scale s and tap t, the conv2d weight ``[R*Cout, Cin, ks, ks]`` (groups = R)."""
+        out = []
+        for s in range(self.spec.num_scales):
+            w = self._window(s)
+            basis = self.basis[:, :, s, w, w]  # [K, R, ks, ks]
+            # [Cout, Cin, T, K] x [K, R, ks, ks] -> [T, R, Cout, Cin, ks, ks]
+            f = torch.einsum("oitk,krxy->troixy", self.weight, basis)
+            out.append(list(f.flatten(1, 2).unbind(0)))
+        return out
 
     def forward_direct(self, x: Tensor) -> Tensor:
         """Reference: per scale and tap, one conv2d with groups = R (a conv per tap rather
         than one over Cin*T stacked channels: oneDNN's weight gradient collapses for large
         per-group input counts)."""
-        b, _, rot, nsc, h, wd = x.shape
-        filt = self._cached("direct", self.filters)  # [Cout, R, S, Cin, T, k, k]
+        return self._direct(x, self._cached("direct", self.conv_weights))
+
+    def _direct(self, x: Tensor, weights: list[list[Tensor]]) -> Tensor:
+        rot = self.spec.rotations
         xt = self.gather_taps(x)  # [B, Cin, T, R, S, H, W]
         out = []
-        for s in range(nsc):
-            w = self._window(s)
+        for s, ws in enumerate(weights):
             y = 0
-            for t in range(self.taps):
-                ws = (
-                    filt[:, :, s, :, t, w, w].transpose(0, 1).flatten(0, 1)
-                )  # [R*Cout, Cin, ks, ks]
-                xs = xt[:, :, t, :, s].transpose(1, 2).reshape(b, -1, h, wd)  # [B, R*Cin, H, W]
-                y = y + F.conv2d(xs, ws, padding=ws.shape[-1] // 2, groups=rot)  # [B, R*Cout, H, W]
-            out.append(y.view(b, rot, self.out_channels, h, wd).transpose(1, 2))
+            for t, wt in enumerate(ws):
+                xs = xt[:, :, t, :, s].transpose(1, 2).flatten(1, 2)  # [B, R*Cin, H, W]
+                y = y + F.conv2d(xs, wt, padding=wt.shape[-1] // 2, groups=rot)  # [B, R*Cout, H, W]
+            out.append(y.unflatten(1, (rot, self.out_channels)).transpose(1, 2))
         return torch.stack(out, dim=3)  # [B, Cout, R, S, H, W]
 
     def export(self) -> fx.GraphModule:
         """Plain-torch copy of this layer with its filters frozen (the direct path)."""
         with torch.no_grad():
-            filt = self.filters()  # [Cout, R, S, Cin, T, k, k]
-        rot, nsc, taps = self.spec.rotations, self.spec.num_scales, self.taps
-        tensors = {}
-        for s in range(nsc):
-            w = self._window(s)
-            for t in range(taps):
-                tensors[f"w{s}_{t}"] = filt[:, :, s, :, t, w, w].transpose(0, 1).flatten(0, 1)
+            weights = self.conv_weights()
+        tensors = {f"w{s}_{t}": w for s, ws in enumerate(weights) for t, w in enumerate(ws)}
         if self.bias is not None:
             tensors["bias"] = self.bias.view(1, -1, 1, 1, 1, 1)
-        pads = [k // 2 for k in self.spec.kernel_sizes]
-        rot_index = self.rot_index.tolist()
-        scale_taps, cout = self.scale_taps, self.out_channels
+        shape = [(s, len(ws)) for s, ws in enumerate(weights)]
+        direct = self._direct.__func__
+        frozen = copy.copy(self)  # shares the index buffers; tracing reads them as constants
 
         def forward(m: nn.Module, x: Tensor) -> Tensor:
-            # per rotation tap: the R axis rolled; per scale tap: S shifted with zero fill
-            rolled = [torch.cat([x[:, :, i : i + 1] for i in idx], dim=2) for idx in rot_index]
-            if scale_taps > 1:
-                zeros = torch.zeros_like(x[:, :, :, : scale_taps - 1])
-                rolled = [torch.cat([xr, zeros], dim=3) for xr in rolled]
-            ys = []
-            for s in range(nsc):
-                y = 0
-                for t, (xr, la) in enumerate((xr, la) for xr in rolled for la in range(scale_taps)):
-                    xs = xr[:, :, :, s + la].transpose(1, 2).flatten(1, 2)  # [B, R*Cin, H, W]
-                    y = y + F.conv2d(xs, getattr(m, f"w{s}_{t}"), padding=pads[s], groups=rot)
-                ys.append(y.unflatten(1, (rot, cout)).transpose(1, 2))
-            y = torch.stack(ys, dim=3)  # [B, Cout, R, S, H, W]
+            ws = [[getattr(m, f"w{s}_{t}") for t in range(n)] for s, n in shape]
+            y = direct(frozen, x, ws)
             return y + m.bias if hasattr(m, "bias") else y
 
         return plain_module(forward, tensors, "ExportedGroupRSTConv")

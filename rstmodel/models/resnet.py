@@ -161,6 +161,7 @@ class RSTResNet16(nn.Module):
         super().__init__()
         self.config = config
         spec = config.basis_spec()
+        self.spec = spec
         stem = config.widths[0] // 4
         self.stem = LiftingRSTConv(config.in_channels, stem, spec, bias=False, method=config.method)
         self.stages = _stages(

@@ -1,0 +1,109 @@
+"""``python -m rstmodel.bench``: RST models vs the plain CNN, measured in one run.
+
+For each model: train step (forward + backward + Adam) at the training batch, eval time at
+that batch, eval latency at batch 1 (median of repeats), and peak resident memory. Each
+model runs in its own subprocess so peak memory is its own. Prints a markdown table and
+the ratio of each model to the first one (the baseline, ``cnn`` by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def _time(fn, repeats: int) -> float:
+    fn()  # warm-up: caches, allocator, oneDNN primitives
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(name: str, batch: int, repeats: int, overrides: dict) -> dict:
+    from .models import create_model
+
+    torch.manual_seed(0)
+    model = create_model(name, **overrides)
+    cfg = model.config
+    shape = (cfg.in_channels, cfg.input_size, cfg.input_size)
+    x = torch.randn(batch, *shape)
+    y = torch.randint(0, cfg.num_classes, (batch,))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def train_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+
+    model.train()
+    train = _time(train_step, repeats)
+    model.eval()
+    x1 = x[:1].clone()
+    with torch.no_grad():
+        eval_batch = _time(lambda: model(x), repeats)
+        eval_one = _time(lambda: model(x1), max(repeats, 5))
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {
+        "model": name,
+        "params": sum(p.numel() for p in model.parameters()),
+        "train_s": train,
+        "eval_s": eval_batch,
+        "eval1_ms": eval_one * 1e3,
+        "peak_gib": peak_kib / 2**20,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", nargs="+", default=["cnn", "rst_cnn_fb", "rst_cnn_fb_ref"])
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--method", default=None, help="override the RST conv method")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(torch.get_num_threads())
+    if args.worker:
+        overrides = {"method": args.method} if args.method and args.worker != "cnn" else {}
+        print(json.dumps(measure(args.worker, args.batch, args.repeats, overrides)))
+        return
+    rows = []
+    for name in args.models:
+        cmd = [sys.executable, "-m", "rstmodel.bench", "--worker", name]
+        cmd += ["--batch", str(args.batch), "--repeats", str(args.repeats)]
+        if args.method:
+            cmd += ["--method", args.method]
+        print(f"measuring {name} ...", file=sys.stderr, flush=True)
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        rows.append(json.loads(out.strip().splitlines()[-1]))
+    base = rows[0]
+    print(
+        f"\nmachine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__}; batch {args.batch}, 56x56; median of {args.repeats}"
+    )
+    print(
+        "\n| model | params | train step (s) | eval b{0} (s) | eval b1 (ms) | peak RSS (GiB) "
+        "| train / {1} | eval b{0} / {1} | eval b1 / {1} |".format(args.batch, base["model"])
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['model']} | {r['params']:,} | {r['train_s']:.3f} | {r['eval_s']:.3f} "
+            f"| {r['eval1_ms']:.1f} | {r['peak_gib']:.2f} | {r['train_s'] / base['train_s']:.1f}x "
+            f"| {r['eval_s'] / base['eval_s']:.1f}x | {r['eval1_ms'] / base['eval1_ms']:.1f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()
