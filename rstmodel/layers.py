@@ -20,6 +20,7 @@ step, ``train()`` or ``load_state_dict`` never leaves a stale cache behind.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from enum import Enum
 
@@ -39,6 +40,7 @@ __all__ = [
     "GroupMaxPool",
     "plain_module",
     "plain_copy",
+    "is_spatial_major",
     "fft_size",
 ]
 
@@ -107,6 +109,12 @@ def plain_copy(model: nn.Module, entry: str = "forward") -> fx.GraphModule:
     root.net = net
     graph = fx.Tracer().trace(root)
     return fx.GraphModule(root, graph, class_name=f"Exported{type(model).__name__}").eval()
+
+
+def is_spatial_major(x: Tensor) -> bool:
+    """Whether a feature map [B, C, R, S, H, W] lies in memory as [H, W, R, S, B, C], the
+    layout of the FFT path (like channels_last, a memory format, not a shape)."""
+    return x.dim() == 6 and x.permute(4, 5, 2, 3, 0, 1).is_contiguous()
 
 
 def _check_features(x: Tensor, channels: int, rotations: int, scales: int, name: str) -> None:
@@ -253,20 +261,23 @@ class LiftingRSTConv(_BasisConv):
 
     def forward_basis(self, x: Tensor) -> Tensor:
         """Convolve each input channel with the K R basis copies, then mix the K responses
-        into Cout channels with one matmul (cost ~ K R + Cout K per pixel and scale instead
-        of Cout R k^2)."""
+        into Cout channels with one GEMM (cost ~ K R k^2 + Cout K per pixel and scale instead
+        of Cout R k^2). The result is spatial-major (see ``is_spatial_major``): the mixing
+        GEMM writes it in that layout directly, and the pooling and FFT convolutions that
+        follow want it. x [B, Cin, H, W] -> [B, Cout, R, S, H, W]."""
         b, c, h, wd = x.shape
-        rot, nsc, nk = self.spec.rotations, self.spec.num_scales, self.spec.num_funcs
+        rot, nk = self.spec.rotations, self.spec.num_funcs
         resp = []
-        for s in range(nsc):
+        for s in range(self.spec.num_scales):
             w = self._window(s)
             ws = self.basis[:, :, s, w, w].flatten(0, 1)  # [K*R, ks, ks]
             ws = ws.unsqueeze(1).repeat(c, 1, 1, 1)  # [Cin*K*R, 1, ks, ks]
             y = F.conv2d(x, ws, padding=ws.shape[-1] // 2, groups=c)  # [B, Cin*K*R, H, W]
-            resp.append(y.view(b, c * nk, rot, h, wd))
-        y = torch.stack(resp, dim=3).view(b, c * nk, rot * nsc * h * wd)  # [B, Cin*K, R*S*H*W]
+            resp.append(y.view(b, c * nk, rot, h, wd).permute(3, 4, 2, 0, 1))  # [H, W, R, B, Cin*K]
+        resp = torch.stack(resp, dim=3)  # [H, W, R, S, B, Cin*K]
         a = self.weight.reshape(self.out_channels, c * nk)  # [Cout, Cin*K]
-        return torch.matmul(a, y).view(b, self.out_channels, rot, nsc, h, wd)
+        y = resp.view(-1, c * nk) @ a.t()  # [H*W*R*S*B, Cout]
+        return y.view(*resp.shape[:-1], self.out_channels).permute(4, 5, 2, 3, 0, 1)
 
 
 class GroupRSTConv(_BasisConv):
@@ -322,7 +333,7 @@ class GroupRSTConv(_BasisConv):
         self.register_buffer(
             "rot_index", (torch.arange(rot)[None] + rshift[:, None]) % rot, persistent=False
         )
-        self._spectra: dict[tuple[int, int], Tensor] = {}
+        self._spectra: dict[tuple, Tensor] = {}
 
     def extra_repr(self) -> str:
         return (
@@ -367,20 +378,23 @@ class GroupRSTConv(_BasisConv):
         return self._add_bias(self.forward_fft(x))
 
     def choose_method(self, batch: int, h: int, w: int) -> ConvMethod:
-        """The cheaper of DIRECT and FFT by a multiply-add count. The FFT path pays for its
-        filter spectra (Cin Cout R S n^2 numbers, whatever the batch) and runs its complex
-        batched matmuls at about a quarter of conv2d's rate; it is refused while the
-        spectra outweigh both 1 GiB and the batch's own input and output spectra."""
+        """The cheaper of DIRECT and FFT by multiply-adds (both run as GEMMs). The FFT path
+        also pays for its filter spectra (Cin Cout R S nh Fw numbers whatever the batch),
+        and is refused while they outweigh both 1 GiB and the batch's own spectra."""
         rot, nsc = self.spec.rotations, self.spec.num_scales
         cit, cout = self.in_channels * self.taps, self.out_channels
-        n = fft_size(max(h, w) + self.spec.kernel_size // 2)
-        freqs = rot * nsc * n * (n // 2 + 1)
+        p = self.spec.kernel_size // 2
+        nh, nw = fft_size(h + p), fft_size(w + p)
+        fw = nw // 2 + 1
+        freqs = rot * nsc * nh * fw
         if freqs * cit * cout > max(2**30 // 8, batch * (cit + cout) * freqs):
             return ConvMethod.DIRECT
         direct = batch * h * w * rot * sum(k * k for k in self.spec.kernel_sizes) * cit * cout
+        maps = batch * rot * nsc
+        dfts = maps * self.in_channels * 2 * nh * w * (h + 2 * fw)
+        dfts += maps * cout * 2 * h * fw * (2 * nh + w)
         build = 2 * self.spec.num_funcs * freqs * cit * cout if self.training else 0
-        transforms = 5 * batch * (cit + cout) * rot * nsc * n * n * math.log2(n * n)
-        fft = 4 * (4 * batch * freqs * cit * cout + build) + transforms
+        fft = 4 * batch * freqs * cit * cout + dfts + build
         return ConvMethod.FFT if fft < direct else ConvMethod.DIRECT
 
     def conv_weights(self) -> list[list[Tensor]]:
@@ -430,45 +444,121 @@ class GroupRSTConv(_BasisConv):
 
         return plain_module(forward, tensors, "ExportedGroupRSTConv")
 
-    def _basis_spectrum(self, n: int, device: torch.device) -> Tensor:
-        """Spectra of the basis for a 'same' cross-correlation on an n x n periodic grid,
-        as real ``[2, R*S*n*(n//2+1), K]`` (real and imaginary parts)."""
-        key = (n, str(device), self.weight.dtype)
+    def _basis_spectrum(self, nh: int, nw: int) -> Tensor:
+        """Basis spectra for a 'same' cross-correlation on an nh x nw periodic grid:
+        real ``[2, nh*Fw*R*S, K]`` (real, imaginary), Fw = nw//2 + 1, rows ordered (n, f, r, s)."""
+        key = (nh, nw, str(self.weight.device), self.weight.dtype)
         spec = self._spectra.get(key)
         if spec is None:
             k = self.spec.kernel_size
             p = k // 2
-            placed = torch.zeros(*self.basis.shape[:3], n, n, dtype=torch.float64)
-            # tap at offset m (rows, cols) goes to index m mod n
+            placed = torch.zeros(*self.basis.shape[:3], nh, nw, dtype=torch.float64)
+            # the tap at offset m (rows, cols) from the kernel centre goes to index m mod n
             placed[..., :k, :k] = torch.from_numpy(sample_basis(self.spec).copy())
             placed = torch.roll(placed, shifts=(-p, -p), dims=(-2, -1))
-            g = torch.fft.rfft2(placed).conj()  # [K, R, S, n, n//2+1]
-            g = g.flatten(1).transpose(0, 1)  # [R*S*n*F, K]
-            spec = torch.stack([g.real, g.imag]).to(device=device, dtype=self.weight.dtype)
+            # correlation: Y = X conj(G)
+            g = torch.fft.rfft2(placed).conj()  # [K, R, S, nh, Fw]
+            g = g.permute(3, 4, 1, 2, 0).reshape(-1, g.shape[0])  # [nh*Fw*R*S, K]
+            spec = torch.stack([g.real, g.imag]).to(
+                device=self.weight.device, dtype=self.weight.dtype
+            )
             self._spectra[key] = spec
         return spec
 
-    def spectra(self, n: int) -> Tensor:
-        """Filter spectra ``[R*S*n*F, Cin*T, Cout]`` (complex) for an n x n FFT grid."""
-        basis_spec = self._basis_spectrum(n, self.weight.device)  # [2, RSNF, K]
+    def spectra(self, nh: int, nw: int) -> tuple[Tensor, Tensor]:
+        """Filter spectra (real, imaginary), each ``[nh*Fw*R*S, Cin*T, Cout]``."""
+        basis_spec = self._basis_spectrum(nh, nw)  # [2, NFRS, K]
         a = self.weight.permute(3, 1, 2, 0).reshape(self.spec.num_funcs, -1)  # [K, Cin*T*Cout]
-        g = torch.complex(basis_spec[0] @ a, basis_spec[1] @ a)  # [RSNF, Cin*T*Cout]
-        return g.view(g.shape[0], self.in_channels * self.taps, self.out_channels)
+        shape = (basis_spec.shape[1], self.in_channels * self.taps, self.out_channels)
+        return (basis_spec[0] @ a).view(shape), (basis_spec[1] @ a).view(shape)
 
     def forward_fft(self, x: Tensor) -> Tensor:
-        """Per-frequency channel mixing: cost independent of the kernel size."""
-        b, _, rot, nsc, h, wd = x.shape
+        """Per-frequency channel mixing, cost independent of the kernel size. The 2D DFTs
+        are matrix products (GEMMs beat FFTs at these sizes) on the spatial-major memory
+        layout ``[H, W, R, S, B, C]``, where the frequency-wise channel mixing is a plain
+        batched matmul over contiguous ``[B, C]`` blocks; the result keeps that layout
+        (``spatial_major``). x [B, Cin, R, S, H, W] -> [B, Cout, R, S, H, W]."""
+        b, cin, rot, nsc, h, w = x.shape
         p = self.spec.kernel_size // 2
-        n = fft_size(max(h, wd) + p)
-        g = self._cached(f"fft{n}", lambda: self.spectra(n))  # [RSNF, Cin*T, Cout]
-        xf = torch.fft.rfftn(x, s=(n, n), dim=(-2, -1))  # [B, Cin, R, S, n, F]
-        xt = self.gather_taps(xf)  # [B, Cin, T, R, S, n, F]
-        nf = n * (n // 2 + 1)
-        xm = xt.permute(3, 4, 5, 6, 0, 1, 2).reshape(rot * nsc * nf, b, -1)  # [RSNF, B, Cin*T]
-        ym = torch.bmm(xm, g)  # [RSNF, B, Cout]
-        yf = ym.view(rot, nsc, n, n // 2 + 1, b, self.out_channels).permute(4, 5, 0, 1, 2, 3)
-        y = torch.fft.irfftn(yf, s=(n, n), dim=(-2, -1))  # [B, Cout, R, S, n, n]
-        return y[..., :h, :wd]
+        nh, nw = fft_size(h + p), fft_size(w + p)
+        fw = nw // 2 + 1
+        g_re, g_im = self._cached(f"fft{nh}x{nw}", lambda: self.spectra(nh, nw))
+        dft = _dft_matrices(h, w, nh, nw, x.dtype, x.device)
+        xs = x.permute(4, 5, 2, 3, 0, 1).contiguous()  # [H, W, R, S, B, Cin]
+        m = rot * nsc * b * cin
+        # along H (real input): a = sum_h x e^{-i 2 pi n h / nh}, [nh, W, M]
+        xm = xs.view(h, w * m)
+        a_re = (dft.cos_h @ xm).view(nh, w, m)
+        a_im = (dft.msin_h @ xm).view(nh, w, m)
+        # along W: X = sum_w a e^{-i 2 pi f w / nw}, [nh, Fw, M]; separate real GEMMs, so
+        # that no backward has to scatter into a stacked tensor
+        sin_w = dft.sin_w.expand(nh, fw, w)
+        x_re = torch.baddbmm(torch.matmul(dft.cos_w, a_re), sin_w, a_im)
+        x_im = torch.baddbmm(torch.matmul(dft.cos_w, a_im), sin_w, a_re, alpha=-1)
+        freqs = nh * fw * rot * nsc
+        x_re = self._gather_spectral_taps(x_re.view(nh, fw, rot, nsc, b, cin)).view(freqs, b, -1)
+        x_im = self._gather_spectral_taps(x_im.view(nh, fw, rot, nsc, b, cin)).view(freqs, b, -1)
+        # per frequency: [B, Cin*T] @ [Cin*T, Cout], complex
+        y_re = torch.baddbmm(torch.bmm(x_re, g_re), x_im, g_im, alpha=-1)  # [NFRS, B, Cout]
+        y_im = torch.baddbmm(torch.bmm(x_re, g_im), x_im, g_re)
+        mo = rot * nsc * b * self.out_channels
+        y_re, y_im = y_re.view(nh, fw * mo), y_im.view(nh, fw * mo)
+        # inverse along H, first H rows only: z = sum_n y e^{+i 2 pi n h / nh}
+        z_re = torch.addmm(dft.inv_cos_h @ y_re, dft.inv_sin_h, y_im, alpha=-1).view(h, fw, mo)
+        z_im = torch.addmm(dft.inv_sin_h @ y_re, dft.inv_cos_h, y_im).view(h, fw, mo)
+        # inverse along W (Hermitian half spectrum), first W columns only
+        y = torch.baddbmm(torch.matmul(dft.inv_cos_w, z_re), dft.inv_sin_w.expand(h, w, fw), z_im)
+        return y.view(h, w, rot, nsc, b, self.out_channels).permute(4, 5, 2, 3, 0, 1)
+
+    def _gather_spectral_taps(self, xf: Tensor) -> Tensor:
+        """``[nh, Fw, R, S, B, C] -> [nh, Fw, R, S, B, C, T]`` (what each tap reads)."""
+        if self.taps == 1:
+            return xf.unsqueeze(-1)
+        nsc = self.spec.num_scales
+        taps = []
+        for idx in self.rot_index:
+            xr = xf.index_select(2, idx)
+            if self.scale_taps > 1:
+                xr = torch.cat([xr, torch.zeros_like(xr[:, :, :, : self.scale_taps - 1])], dim=3)
+            taps += [xr[:, :, :, la : la + nsc] for la in range(self.scale_taps)]
+        return torch.stack(taps, dim=-1)
+
+
+class _DFTMatrices:
+    """Real DFT matrices for an H x W signal zero-padded to an nh x nw periodic grid."""
+
+    def __init__(self, h: int, w: int, nh: int, nw: int, dtype: torch.dtype, device: torch.device):
+        fw = nw // 2 + 1
+        two_pi = 2 * math.pi
+        rows, cols = torch.arange(h, dtype=torch.float64), torch.arange(w, dtype=torch.float64)
+        kh, kw = torch.arange(nh, dtype=torch.float64), torch.arange(fw, dtype=torch.float64)
+        ang_h = two_pi * torch.outer(kh, rows) / nh  # [nh, H]
+        ang_w = two_pi * torch.outer(kw, cols) / nw  # [Fw, W]
+        # Hermitian weights of the half spectrum: DC (and Nyquist) once, the rest twice
+        weight = torch.full((fw,), 2.0, dtype=torch.float64)
+        weight[0] = 1
+        if nw % 2 == 0:
+            weight[-1] = 1
+        scale = 1.0 / (nh * nw)
+
+        def cast(t: Tensor) -> Tensor:
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        self.cos_h = cast(ang_h.cos())  # [nh, H]
+        self.msin_h = cast(-ang_h.sin())
+        self.cos_w = cast(ang_w.cos())  # [Fw, W]
+        self.sin_w = cast(ang_w.sin())
+        self.inv_cos_h = cast(ang_h.cos().T)  # [H, nh]
+        self.inv_sin_h = cast(ang_h.sin().T)
+        self.inv_cos_w = cast(ang_w.cos().T * weight * scale)  # [W, Fw]
+        self.inv_sin_w = cast(-ang_w.sin().T * weight * scale)
+
+
+@functools.lru_cache(maxsize=16)
+def _dft_matrices(
+    h: int, w: int, nh: int, nw: int, dtype: torch.dtype, device: torch.device
+) -> _DFTMatrices:
+    return _DFTMatrices(h, w, nh, nw, dtype, device)
 
 
 class RSTBatchNorm(nn.BatchNorm3d):
@@ -488,12 +578,46 @@ class RSTBatchNorm(nn.BatchNorm3d):
         tensors = {"scale": scale.view(view), "shift": shift.view(view)}
         return plain_module(lambda m, x: x * m.scale + m.shift, tensors, "ExportedRSTBatchNorm")
 
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() not in (2, 5):
+            raise ValueError(f"expected a 2D or 5D input, got {input.dim()}D")
+
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() != 6 or x.shape[1] != self.num_features:
             raise ValueError(
                 f"RSTBatchNorm expects [B, {self.num_features}, R, S, H, W], got {tuple(x.shape)}"
             )
+        if is_spatial_major(x):
+            mem = x.permute(4, 5, 2, 3, 0, 1)  # [H, W, R, S, B, C]
+            y = self._forward_rows(mem.reshape(-1, self.num_features)).view(mem.shape)
+            return y.permute(4, 5, 2, 3, 0, 1)
         return super().forward(x.flatten(2, 3)).view_as(x)
+
+    def _forward_rows(self, x: Tensor) -> Tensor:
+        """Batch norm of a [N, C] view (channels innermost), with statistics from
+        ``torch.var_mean``: the channels-last batch_norm kernel loses digits on large N."""
+        if self.training or not self.track_running_stats:
+            var, mean = torch.var_mean(x, dim=0, correction=0)
+            if self.training and self.track_running_stats:
+                self.num_batches_tracked.add_(1)
+                f = (
+                    self.momentum
+                    if self.momentum is not None
+                    else 1 / self.num_batches_tracked.item()
+                )
+                n = x.shape[0]
+                with torch.no_grad():
+                    self.running_mean.lerp_(mean, f)
+                    self.running_var.lerp_(var * n / max(n - 1, 1), f)
+        else:
+            mean, var = self.running_mean, self.running_var
+        scale = torch.rsqrt(var + self.eps)
+        if self.weight is not None:
+            scale = scale * self.weight
+        shift = -mean * scale
+        if self.bias is not None:
+            shift = shift + self.bias
+        return torch.addcmul(shift, x, scale)
 
 
 class _MaxPoolReLU(torch.autograd.Function):
@@ -513,16 +637,20 @@ class _MaxPoolReLU(torch.autograd.Function):
             idx.masked_fill_(m <= 0, 4)  # no gradient where relu clamps
             m = m.clamp_min(0)
         ctx.save_for_backward(idx)
-        ctx.in_shape = x.shape
+        ctx.layout = (x.shape, x.stride())
         return m
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         (idx,) = ctx.saved_tensors
+        shape, stride = ctx.layout
         h, w = idx.shape[-2] * 2, idx.shape[-1] * 2
-        gx = grad.new_zeros(ctx.in_shape)
+        # the input's own memory layout; every 2x2 position is written, so no zero fill
+        gx = torch.empty_strided(shape, stride, dtype=grad.dtype, device=grad.device)
+        if (shape[-2], shape[-1]) != (h, w):
+            gx.zero_()
         for d, (i, j) in enumerate((a, b) for a in (0, 1) for b in (0, 1)):
-            gx[..., i:h:2, j:w:2] = grad * (idx == d)
+            torch.mul(grad, idx == d, out=gx[..., i:h:2, j:w:2])
         return gx, None
 
 
