@@ -325,8 +325,6 @@ class GroupRSTConv(_BasisConv):
         self.scale_taps = scale_taps
         self.tap_mode = tap_mode
         self.method = ConvMethod(method)
-        if self.method is ConvMethod.BASIS:
-            raise ValueError("GroupRSTConv supports methods auto, direct and fft")
         step = rot // rotation_taps if tap_mode is RotationTaps.COARSE else 1
         # index[t, r] = rotation read by output rotation r through rotation tap t
         rshift = torch.arange(rotation_taps) * step
@@ -375,27 +373,32 @@ class GroupRSTConv(_BasisConv):
             method = self.choose_method(x.shape[0], x.shape[-2], x.shape[-1])
         if method is ConvMethod.DIRECT:
             return self._add_bias(self.forward_direct(x))
+        if method is ConvMethod.BASIS:
+            return self._add_bias(self.forward_basis(x))
         return self._add_bias(self.forward_fft(x))
 
     def choose_method(self, batch: int, h: int, w: int) -> ConvMethod:
-        """The cheaper of DIRECT and FFT by multiply-adds (both run as GEMMs). The FFT path
-        also pays for its filter spectra (Cin Cout R S nh Fw numbers whatever the batch),
-        and is refused while they outweigh both 1 GiB and the batch's own spectra."""
-        rot, nsc = self.spec.rotations, self.spec.num_scales
+        """The cheapest path by multiply-adds (all three run as GEMMs or convolutions).
+        FFT also pays for its filter spectra (Cin Cout R S nh Fw numbers whatever the
+        batch) and is refused while they outweigh both 1 GiB and the batch's own spectra;
+        BASIS keeps K responses per input channel, so it serves eval only."""
+        rot, nsc, nk = self.spec.rotations, self.spec.num_scales, self.spec.num_funcs
         cit, cout = self.in_channels * self.taps, self.out_channels
+        area = sum(k * k for k in self.spec.kernel_sizes)
         p = self.spec.kernel_size // 2
         nh, nw = fft_size(h + p), fft_size(w + p)
         fw = nw // 2 + 1
         freqs = rot * nsc * nh * fw
-        if freqs * cit * cout > max(2**30 // 8, batch * (cit + cout) * freqs):
-            return ConvMethod.DIRECT
-        direct = batch * h * w * rot * sum(k * k for k in self.spec.kernel_sizes) * cit * cout
         maps = batch * rot * nsc
-        dfts = maps * self.in_channels * 2 * nh * w * (h + 2 * fw)
-        dfts += maps * cout * 2 * h * fw * (2 * nh + w)
-        build = 2 * self.spec.num_funcs * freqs * cit * cout if self.training else 0
-        fft = 4 * batch * freqs * cit * cout + dfts + build
-        return ConvMethod.FFT if fft < direct else ConvMethod.DIRECT
+        costs = {ConvMethod.DIRECT: batch * h * w * rot * area * cit * cout}
+        if freqs * cit * cout <= max(2**30 // 8, batch * (cit + cout) * freqs):
+            dfts = maps * self.in_channels * 2 * nh * w * (h + 2 * fw)
+            dfts += maps * cout * 2 * h * fw * (2 * nh + w)
+            build = 2 * nk * freqs * cit * cout if self.training else 0
+            costs[ConvMethod.FFT] = 4 * batch * freqs * cit * cout + dfts + build
+        if not self.training:
+            costs[ConvMethod.BASIS] = batch * h * w * rot * cit * nk * (area + nsc * cout)
+        return min(costs, key=costs.get)
 
     def conv_weights(self) -> list[list[Tensor]]:
         """Per scale s and tap t, the conv2d weight ``[R*Cout, Cin, ks, ks]`` (groups = R)."""
@@ -443,6 +446,40 @@ class GroupRSTConv(_BasisConv):
             return y + m.bias if hasattr(m, "bias") else y
 
         return plain_module(forward, tensors, "ExportedGroupRSTConv")
+
+    def forward_basis(self, x: Tensor) -> Tensor:
+        """Convolve every (input channel, tap) plane with the K basis copies of its output
+        rotation and scale (depthwise), then mix the K responses into Cout channels (a 1x1
+        conv shared by the rotations): cost ~ Cin T K (k^2 + Cout) per pixel instead of
+        Cin T Cout k^2, at K times the input's memory.
+        x [B, Cin, R, S, H, W] -> [B, Cout, R, S, H, W]."""
+        weights = self._cached("basis", self.basis_weights)
+        return self._basis(x, weights)
+
+    def basis_weights(self) -> tuple[list[Tensor], Tensor]:
+        """Depthwise basis filters per scale ``[R*Cin*T*K, 1, ks, ks]`` and the mixing
+        weight ``[R*Cout, Cin*T*K, 1, 1]`` (groups = R)."""
+        rot, groups = self.spec.rotations, self.in_channels * self.taps
+        depthwise = []
+        for s in range(self.spec.num_scales):
+            w = self._window(s)
+            basis = self.basis[:, :, s, w, w].transpose(0, 1)  # [R, K, ks, ks]
+            basis = basis[:, None].expand(rot, groups, *basis.shape[1:])  # [R, Cin*T, K, ks, ks]
+            depthwise.append(basis.reshape(-1, 1, *basis.shape[-2:]))
+        mix = self.weight.reshape(self.out_channels, -1, 1, 1).repeat(rot, 1, 1, 1)
+        return depthwise, mix
+
+    def _basis(self, x: Tensor, weights: tuple[list[Tensor], Tensor]) -> Tensor:
+        depthwise, mix = weights
+        rot, cout = self.spec.rotations, self.out_channels
+        xt = self.gather_taps(x)  # [B, Cin, T, R, S, H, W]
+        out = []
+        for s, filt in enumerate(depthwise):
+            xs = xt[:, :, :, :, s].permute(0, 3, 1, 2, 4, 5).flatten(1, 3)  # [B, R*Cin*T, H, W]
+            resp = F.conv2d(xs, filt, padding=filt.shape[-1] // 2, groups=xs.shape[1])
+            y = F.conv2d(resp, mix, groups=rot)  # [B, R*Cout, H, W]
+            out.append(y.unflatten(1, (rot, cout)).transpose(1, 2))
+        return torch.stack(out, dim=3)  # [B, Cout, R, S, H, W]
 
     def _basis_spectrum(self, nh: int, nw: int) -> Tensor:
         """Basis spectra for a 'same' cross-correlation on an nh x nw periodic grid:
