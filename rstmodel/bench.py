@@ -20,25 +20,27 @@ import time
 import torch
 
 
-def _time(fn, repeats: int) -> float:
-    fn()  # warm-up: caches, allocator, oneDNN primitives
-    times = []
-    for _ in range(repeats):
+def _time(fn, repeats: int, device: torch.device) -> float:
+    def run() -> float:
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - start
+
+    run()  # warm-up: caches, allocator, oneDNN / cuDNN primitives
+    return statistics.median(run() for _ in range(repeats))
 
 
-def measure(name: str, batch: int, repeats: int, overrides: dict) -> dict:
+def measure(name: str, batch: int, repeats: int, overrides: dict, device: torch.device) -> dict:
     from .models import create_model
 
     torch.manual_seed(0)
-    model = create_model(name, **overrides)
+    model = create_model(name, **overrides).to(device)
     cfg = model.config
     shape = (cfg.in_channels, cfg.input_size, cfg.input_size)
-    x = torch.randn(batch, *shape)
-    y = torch.randint(0, cfg.num_classes, (batch,))
+    x = torch.randn(batch, *shape, device=device)
+    y = torch.randint(0, cfg.num_classes, (batch,), device=device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 
     def train_step() -> None:
@@ -48,13 +50,16 @@ def measure(name: str, batch: int, repeats: int, overrides: dict) -> dict:
         opt.step()
 
     model.train()
-    train = _time(train_step, repeats)
+    train = _time(train_step, repeats, device)
     model.eval()
     x1 = x[:1].clone()
     with torch.no_grad():
-        eval_batch = _time(lambda: model(x), repeats)
-        eval_one = _time(lambda: model(x1), max(repeats, 5))
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        eval_batch = _time(lambda: model(x), repeats, device)
+        eval_one = _time(lambda: model(x1), max(repeats, 5), device)
+    if device.type == "cuda":
+        peak_kib = torch.cuda.max_memory_allocated(device) / 1024
+    else:
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {
         "model": name,
         "params": sum(p.numel() for p in model.parameters()),
@@ -71,30 +76,34 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--method", default=None, help="override the RST conv method")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    torch.set_num_threads(torch.get_num_threads())
+    device = torch.device(args.device)
     if args.worker:
         overrides = {"method": args.method} if args.method and args.worker != "cnn" else {}
-        print(json.dumps(measure(args.worker, args.batch, args.repeats, overrides)))
+        print(json.dumps(measure(args.worker, args.batch, args.repeats, overrides, device)))
         return
     rows = []
     for name in args.models:
         cmd = [sys.executable, "-m", "rstmodel.bench", "--worker", name]
-        cmd += ["--batch", str(args.batch), "--repeats", str(args.repeats)]
+        cmd += ["--batch", str(args.batch), "--repeats", str(args.repeats), "--device", args.device]
         if args.method:
             cmd += ["--method", args.method]
         print(f"measuring {name} ...", file=sys.stderr, flush=True)
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
     base = rows[0]
-    print(
-        f"\nmachine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}; batch {args.batch}, 56x56; median of {args.repeats}"
+    where = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     )
+    memory = "peak GPU memory" if device.type == "cuda" else "peak RSS"
+    print(f"\n{where}; torch {torch.__version__}; batch {args.batch}; median of {args.repeats}")
     print(
-        "\n| model | params | train step (s) | eval b{0} (s) | eval b1 (ms) | peak RSS (GiB) "
-        "| train / {1} | eval b{0} / {1} | eval b1 / {1} |".format(args.batch, base["model"])
+        "\n| model | params | train step (s) | eval b{0} (s) | eval b1 (ms) | {2} (GiB) "
+        "| train / {1} | eval b{0} / {1} | eval b1 / {1} |".format(args.batch, base["model"], memory)
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -1,0 +1,67 @@
+"""The same checks on a CUDA device: they run where a GPU is (the project's GPU machine
+runs them with ``python -m pytest tests/test_cuda.py``) and are skipped elsewhere."""
+
+import math
+
+import pytest
+import torch
+
+import rstmodel
+from rstmodel.basis import BasisSpec
+from rstmodel.group import RSTElement, act_on_features, act_on_image
+from rstmodel.layers import GroupRSTConv, LiftingRSTConv
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+SPEC = BasisSpec("fb", 12, 8, tuple(2.5 * 3 ** (s / 3) for s in range(4)))
+
+
+@pytest.fixture
+def device():
+    # TF32 convolutions (cuDNN's default) round to ~1e-3: compare in full float32
+    torch.manual_seed(0)
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield torch.device("cuda")
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def test_fast_paths_match_reference_on_cuda(device):
+    lift = LiftingRSTConv(2, 5, SPEC).to(device, torch.float64)
+    conv = GroupRSTConv(5, 6, SPEC, rotation_taps=2, scale_taps=2).to(device, torch.float64)
+    x = torch.randn(3, 2, 20, 20, device=device, dtype=torch.float64)
+    y = lift.forward_direct(x)
+    assert torch.allclose(lift.forward_basis(x), y, atol=1e-10)
+    z = conv.forward_direct(y)
+    assert torch.allclose(conv.forward_fft(y), z, atol=1e-9)
+    assert torch.allclose(conv.forward_basis(y), z, atol=1e-9)
+
+
+def test_quarter_turn_equivariance_on_cuda(device):
+    lift = LiftingRSTConv(1, 4, SPEC).to(device, torch.float64)
+    conv = GroupRSTConv(4, 3, SPEC, rotation_taps=4).to(device, torch.float64)
+    x = torch.randn(2, 1, 16, 16, device=device, dtype=torch.float64)
+    g = RSTElement(math.pi / 2)
+    out = conv(lift(act_on_image(x, g)))
+    expected = act_on_features(conv(lift(x)), g, scale_step=SPEC.scale_step)
+    assert (out - expected).abs().max() < 1e-10 * expected.abs().max()
+
+
+@pytest.mark.parametrize("name", ["rst_cnn_fb", "rst_cnn_plus_sl", "rst_resnet16"])
+def test_models_train_step_and_export_on_cuda(device, name):
+    small = {"widths": (8, 8, 16)} if "resnet" in name else {"channels": (6, 8, 10)}
+    model = rstmodel.create_model(name, **small).to(device)
+    cfg = model.config
+    x = torch.randn(4, cfg.in_channels, cfg.input_size, cfg.input_size, device=device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), torch.arange(4, device=device)).backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        logits = model(x)
+        scale = logits.abs().max()
+        assert (model.export()(x) - logits).abs().max() < 1e-5 * scale
+        turned = model(torch.rot90(x, 1, dims=(-2, -1)))
+        assert (turned - logits).abs().max() < 1e-5 * scale
