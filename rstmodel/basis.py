@@ -223,21 +223,21 @@ def max_modes(family: BasisFamily, radius: float) -> int:
     """
     family = BasisFamily(family)
     if family is BasisFamily.FOURIER_BESSEL:
-        limit = math.pi * radius
+        limit = math.pi * radius + 1e-12
         count = 0
-        while True:
-            modes = fb_modes(count + 1)
-            if math.sqrt(modes[-1].eigenvalue) > limit + 1e-12:
-                return count
-            count += 1
+        for k in range(math.ceil(limit) + 1):  # j_k1 > k, so higher orders are above the limit
+            roots = special.jn_zeros(k, math.ceil(limit / math.pi) + 1)
+            count += int((roots <= limit).sum()) * (1 if k == 0 else 2)
+        return count
     if family is BasisFamily.STURM_LIOUVILLE:
         nmax = math.floor(2 * radius / math.sqrt(2) + 1e-12)
+        # modes in eigenvalue order; stop at the first one past the limit
         count = 0
-        while True:
-            modes = sl_modes(count + 1)
-            if max(modes[-1].a, modes[-1].b) > nmax:
+        for mode in sl_modes((nmax + 1) ** 2 + 1):
+            if max(mode.a, mode.b) > nmax:
                 return count
             count += 1
+        return count
     raise ValueError("max_modes is defined for the FB and SL families")
 
 

@@ -136,7 +136,7 @@ class _BasisConv(nn.Module):
         # Unit-variance responses for unit-variance inputs: Var(sum a * <basis, x>) ~ 1.
         energy = basis[:, 0, 0].pow(2).sum(dim=(-2, -1)).mean().item()
         nn.init.normal_(self.weight, std=math.sqrt(2.0 / (fan_in * energy)))
-        self._cache: dict[str, tuple[tuple, Tensor]] = {}
+        self._cache: dict[str, tuple] = {}
         self._register_load_state_dict_pre_hook(lambda *args, **kwargs: self._cache.clear())
 
     def train(self, mode: bool = True):
@@ -154,22 +154,18 @@ class _BasisConv(nn.Module):
             self._spectra.clear()
         return out
 
-    def _cached(self, name: str, build) -> Tensor:
-        """``build()`` in training; in eval, reuse until the parameters change."""
+    def _cached(self, name: str, build):
+        """``build()`` in training; in eval, reuse until the parameters change. The key
+        holds the version counter (optimiser steps, in-place ops) and a copy of the
+        coefficients, compared on use, for edits through ``.data`` that bypass it."""
         if self.training or torch.is_grad_enabled() and self.weight.requires_grad:
             return build()
-        key = (
-            self.weight._version,
-            self.weight.data_ptr(),
-            self.basis.data_ptr(),
-            self.weight.dtype,
-            self.weight.device,
-        )
+        key = (self.weight._version, self.weight.data_ptr(), self.weight.dtype, self.weight.device)
         hit = self._cache.get(name)
-        if hit is None or hit[0] != key:
-            hit = (key, build())
+        if hit is None or hit[0] != key or not torch.equal(hit[1], self.weight):
+            hit = (key, self.weight.detach().clone(), build())
             self._cache[name] = hit
-        return hit[1]
+        return hit[2]
 
     def _add_bias(self, y: Tensor) -> Tensor:
         if self.bias is None:
@@ -385,8 +381,7 @@ class GroupRSTConv(_BasisConv):
         rot, nsc, nk = self.spec.rotations, self.spec.num_scales, self.spec.num_funcs
         cit, cout = self.in_channels * self.taps, self.out_channels
         area = sum(k * k for k in self.spec.kernel_sizes)
-        p = self.spec.kernel_size // 2
-        nh, nw = fft_size(h + p), fft_size(w + p)
+        nh, nw = self._grid(h, w)
         fw = nw // 2 + 1
         freqs = rot * nsc * nh * fw
         maps = batch * rot * nsc
@@ -516,8 +511,7 @@ class GroupRSTConv(_BasisConv):
         batched matmul over contiguous ``[B, C]`` blocks; the result keeps that layout
         (``spatial_major``). x [B, Cin, R, S, H, W] -> [B, Cout, R, S, H, W]."""
         b, cin, rot, nsc, h, w = x.shape
-        p = self.spec.kernel_size // 2
-        nh, nw = fft_size(h + p), fft_size(w + p)
+        nh, nw = self._grid(h, w)
         fw = nw // 2 + 1
         g_re, g_im = self._cached(f"fft{nh}x{nw}", lambda: self.spectra(nh, nw))
         dft = _dft_matrices(h, w, nh, nw, x.dtype, x.device)
@@ -546,6 +540,12 @@ class GroupRSTConv(_BasisConv):
         # inverse along W (Hermitian half spectrum), first W columns only
         y = torch.baddbmm(torch.matmul(dft.inv_cos_w, z_re), dft.inv_sin_w.expand(h, w, fw), z_im)
         return y.view(h, w, rot, nsc, b, self.out_channels).permute(4, 5, 2, 3, 0, 1)
+
+    def _grid(self, h: int, w: int) -> tuple[int, int]:
+        """Periodic grid of the FFT path: no wrap-around into the first H x W outputs
+        (n >= H + k//2) and room for the whole kernel (n >= k)."""
+        k = self.spec.kernel_size
+        return fft_size(max(h + k // 2, k)), fft_size(max(w + k // 2, k))
 
     def _gather_spectral_taps(self, xf: Tensor) -> Tensor:
         """``[nh, Fw, R, S, B, C] -> [nh, Fw, R, S, B, C, T]`` (what each tap reads)."""
@@ -674,7 +674,9 @@ class _MaxPoolReLU(torch.autograd.Function):
             idx.masked_fill_(m <= 0, 4)  # no gradient where relu clamps
             m = m.clamp_min(0)
         ctx.save_for_backward(idx)
-        ctx.layout = (x.shape, x.stride())
+        # the gradient takes the input's layout when that is dense (spatial-major, say)
+        dense = x.is_contiguous() or is_spatial_major(x)
+        ctx.layout = (x.shape, x.stride() if dense else None)
         return m
 
     @staticmethod
@@ -683,7 +685,10 @@ class _MaxPoolReLU(torch.autograd.Function):
         shape, stride = ctx.layout
         h, w = idx.shape[-2] * 2, idx.shape[-1] * 2
         # the input's own memory layout; every 2x2 position is written, so no zero fill
-        gx = torch.empty_strided(shape, stride, dtype=grad.dtype, device=grad.device)
+        if stride is None:
+            gx = grad.new_empty(shape)
+        else:
+            gx = torch.empty_strided(shape, stride, dtype=grad.dtype, device=grad.device)
         if (shape[-2], shape[-1]) != (h, w):
             gx.zero_()
         for d, (i, j) in enumerate((a, b) for a in (0, 1) for b in (0, 1)):

@@ -1,0 +1,648 @@
+"""RST layers: equivariance, fast path == reference path, eval caches, export, validation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rstmodel.basis import BasisFamily, BasisSpec, reference_spec, sample_basis
+from rstmodel.group import RSTElement, act_on_features, act_on_image
+from rstmodel.layers import (
+    ConvMethod,
+    GroupMaxPool,
+    GroupRSTConv,
+    LiftingRSTConv,
+    RotationTaps,
+    RSTBatchNorm,
+    RSTMaxPool,
+)
+
+FB = BasisFamily.FOURIER_BESSEL
+SL = BasisFamily.STURM_LIOUVILLE
+SPEC = BasisSpec(FB, 6, 8, (2.5, 2.5 * 2**0.5))  # kernels 5, 7; scale step 0.5
+SPEC_SL = BasisSpec(SL, 6, 8, (2.5, 2.5 * 2**0.5))
+SPEC3 = BasisSpec(FB, 6, 8, (2.5, 2.5 * 2**0.5, 5.0))  # kernels 5, 7, 9
+SPEC3_SL = BasisSpec(SL, 6, 8, (2.5, 2.5 * 2**0.5, 5.0))
+SPEC_BIG = BasisSpec(FB, 6, 8, (2.5, 2.5 * 3**0.5, 7.5))  # kernels 5, 9, 15
+QUARTER = RSTElement(math.pi / 2)
+EIGHTH = RSTElement(2 * math.pi / 8)
+F64 = torch.float64
+
+GROUP_CONFIGS = [
+    (lt, mode, la)
+    for lt in (1, 2, 4)
+    for mode in (RotationTaps.COARSE, RotationTaps.ADJACENT)
+    for la in (1, 2)
+    if lt > 1 or mode is RotationTaps.COARSE  # one tap: both modes are the same operator
+]
+
+
+def group_id(cfg: tuple) -> str:
+    lt, mode, la = cfg
+    return f"Lt{lt}-{mode.value}-La{la}"
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def turn(y: torch.Tensor, spec: BasisSpec, k: int = 1) -> torch.Tensor:
+    return act_on_features(y, RSTElement(k * math.pi / 2), scale_step=spec.scale_step)
+
+
+def no_rstmodel_modules(module: nn.Module) -> bool:
+    return all(not type(m).__module__.startswith("rstmodel") for m in module.modules())
+
+
+# ---------------------------------------------------------------- exact equivariance
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [SPEC, SPEC_SL, reference_spec(8, 2, 49)],
+    ids=["fb", "sl", "reference"],
+)
+@pytest.mark.parametrize("path", ["forward_direct", "forward_basis"])
+def test_lifting_is_exactly_equivariant_to_quarter_turns(spec, path):
+    conv = LiftingRSTConv(2, 3, spec).to(F64)
+    fwd = getattr(conv, path)
+    x = torch.randn(2, 2, 16, 16, dtype=F64)
+    y = fwd(x)
+    assert y.shape == (2, 3, 8, 2, 16, 16)
+    for k in (1, 2, 3):
+        assert rel(fwd(torch.rot90(x, k, (-2, -1))), turn(y, spec, k)) < 1e-10
+    # control: without the R roll the maps differ
+    assert rel(fwd(torch.rot90(x, 1, (-2, -1))), torch.rot90(y, 1, (-2, -1))) > 0.1
+
+
+@pytest.mark.parametrize("cfg", GROUP_CONFIGS, ids=group_id)
+@pytest.mark.parametrize("path", ["forward_direct", "forward_fft", "forward_basis"])
+def test_group_conv_is_exactly_equivariant_to_quarter_turns(cfg, path):
+    lt, mode, la = cfg
+    conv = GroupRSTConv(2, 3, SPEC, rotation_taps=lt, scale_taps=la, tap_mode=mode).to(F64)
+    fwd = getattr(conv, path)
+    x = torch.randn(2, 2, 8, 2, 12, 12, dtype=F64)
+    y = fwd(x)
+    assert y.shape == (2, 3, 8, 2, 12, 12)
+    turned = fwd(turn(x, SPEC))
+    assert rel(turned, turn(y, SPEC)) < 1e-10
+    assert rel(turned, torch.rot90(y, 1, (-2, -1))) > 0.1  # control: R must roll too
+
+
+def test_batch_norm_is_equivariant_in_train_mode():
+    bn = RSTBatchNorm(3).to(F64)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 2.0)
+        bn.bias.normal_()
+    x = torch.randn(2, 3, 8, 2, 6, 6, dtype=F64) * 3 + 1
+    y = bn(x)
+    assert rel(bn(turn(x, SPEC)), turn(y, SPEC)) < 1e-10
+    # statistics are per channel over (B, R, S, H, W)
+    bn.reset_running_stats()
+    y = bn(x)
+    mean = y.mean(dim=(0, 2, 3, 4, 5))
+    torch.testing.assert_close(mean, bn.bias.detach(), rtol=0, atol=1e-10)
+
+
+def spatial_major(x: torch.Tensor) -> torch.Tensor:
+    """The same [B, C, R, S, H, W] values laid out in memory as [H, W, R, S, B, C]."""
+    return x.permute(4, 5, 2, 3, 0, 1).contiguous().permute(4, 5, 2, 3, 0, 1)
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batch_norm_gives_the_same_result_in_every_memory_layout(momentum):
+    x = torch.randn(4, 3, 8, 2, 6, 6, dtype=F64) * 2 + 1
+    norms = [RSTBatchNorm(3, momentum=momentum).to(F64) for _ in range(2)]
+    for bn in norms:
+        with torch.no_grad():
+            bn.weight.copy_(torch.tensor([0.5, 1.0, 2.0]))
+            bn.bias.copy_(torch.tensor([-1.0, 0.0, 1.0]))
+    grad_out = torch.randn_like(x)
+    results = []
+    for bn, xi in zip(norms, (x, spatial_major(x)), strict=True):
+        xi = xi.detach().requires_grad_(True)
+        for _ in range(2):
+            y = bn(xi)
+        (y * grad_out).sum().backward()
+        bn.eval()
+        with torch.no_grad():
+            y_eval = bn(xi * 0.5)
+        results.append((y, xi.grad, bn.weight.grad, bn.running_mean, bn.running_var, y_eval))
+    for default, other in zip(*results, strict=True):
+        torch.testing.assert_close(other, default, rtol=1e-10, atol=1e-10)
+    assert norms[0].num_batches_tracked == norms[1].num_batches_tracked == 2
+
+
+@pytest.mark.parametrize("relu", [True, False])
+def test_max_pool_is_exactly_equivariant(relu):
+    pool = RSTMaxPool(relu=relu)
+    x = torch.randn(2, 3, 8, 2, 8, 8, dtype=F64)
+    y = pool(x)
+    assert y.shape == (2, 3, 8, 2, 4, 4)
+    assert (y.min() >= 0).item() is relu
+    assert torch.equal(pool(turn(x, SPEC)), turn(y, SPEC))
+
+
+def test_group_max_pool_is_invariant_or_equivariant():
+    x = torch.randn(2, 3, 8, 2, 6, 6, dtype=F64)
+    full, planar = GroupMaxPool(spatial=True), GroupMaxPool(spatial=False)
+    assert full(x).shape == (2, 3)
+    assert torch.equal(full(turn(x, SPEC)), full(x))
+    assert torch.equal(planar(turn(x, SPEC)), torch.rot90(planar(x), 1, (-2, -1)))
+    torch.testing.assert_close(full(x), x.flatten(2).amax(-1))
+
+
+# ---------------------------------------------------------------- approximate equivariance
+
+
+@pytest.mark.parametrize("spec", [SPEC, SPEC_SL], ids=["fb", "sl"])
+def test_lifting_is_approximately_equivariant_to_an_eighth_turn(spec, blobs, interior):
+    conv = LiftingRSTConv(2, 3, spec).to(F64)
+    x = blobs((1, 2), 24)
+    y = conv(x)
+    lhs = interior(conv(act_on_image(x, EIGHTH, mode="bicubic")), 7)
+    rhs = interior(act_on_features(y, EIGHTH, scale_step=spec.scale_step, mode="bicubic"), 7)
+    wrong = interior(torch.roll(act_on_image(y, EIGHTH, mode="bicubic"), -1, dims=2), 7)
+    err, err_wrong = rel(lhs, rhs), rel(lhs, wrong)
+    assert err < 0.1
+    assert err < 0.5 * err_wrong
+
+
+@pytest.mark.parametrize("cfg", [(1, 1), (2, 2), (4, 1)], ids=["Lt1La1", "Lt2La2", "Lt4La1"])
+@pytest.mark.parametrize("spec", [SPEC3, SPEC3_SL], ids=["fb", "sl"])
+def test_group_conv_is_approximately_equivariant_to_an_eighth_turn(spec, cfg, blobs, interior):
+    lt, la = cfg
+    conv = GroupRSTConv(2, 3, spec, rotation_taps=lt, scale_taps=la).to(F64)
+    x = blobs((1, 2, 8, 3), 24)
+    y = conv(x)
+    moved = act_on_features(x, EIGHTH, scale_step=spec.scale_step, mode="bicubic")
+    lhs = interior(conv(moved), 7)
+    rhs = interior(act_on_features(y, EIGHTH, scale_step=spec.scale_step, mode="bicubic"), 7)
+    wrong = interior(torch.roll(act_on_image(y, EIGHTH, mode="bicubic"), -1, dims=2), 7)
+    err, err_wrong = rel(lhs, rhs), rel(lhs, wrong)
+    assert err < 0.1
+    assert err < 0.5 * err_wrong
+
+
+@pytest.mark.parametrize("spec", [SPEC3, SPEC3_SL], ids=["fb", "sl"])
+def test_lifting_is_approximately_equivariant_to_a_scale_step(spec, blobs, interior):
+    """Scale s >= 1 of the lifted zoomed image = scale s - 1 of the lifted image, zoomed."""
+    conv = LiftingRSTConv(2, 3, spec).to(F64)
+    g = RSTElement(0.0, spec.scale_step)
+    x = blobs((1, 2), 24)
+    y = conv(x)
+    lhs = interior(conv(act_on_image(x, g, mode="bicubic"))[:, :, :, 1:], 7)
+    rhs = interior(
+        act_on_features(y, g, scale_step=spec.scale_step, mode="bicubic")[:, :, :, 1:], 7
+    )
+    wrong = interior(act_on_image(y, g, mode="bicubic")[:, :, :, 1:], 7)  # S not shifted
+    err, err_wrong = rel(lhs, rhs), rel(lhs, wrong)
+    assert err < 0.1
+    assert err < 0.5 * err_wrong
+
+
+@pytest.mark.parametrize("la", [1, 2])
+@pytest.mark.parametrize("spec", [SPEC3, SPEC3_SL], ids=["fb", "sl"])
+def test_group_conv_is_approximately_equivariant_to_a_scale_step(spec, la, blobs, interior):
+    """Compare only scales whose taps stay inside the truncated range after the shift."""
+    conv = GroupRSTConv(2, 3, spec, rotation_taps=2, scale_taps=la).to(F64)
+    g = RSTElement(0.0, spec.scale_step)
+    x = blobs((1, 2, 8, 3), 24)
+    y = conv(x)
+    keep = slice(1, 3) if la == 1 else slice(1, 2)
+    moved = act_on_features(x, g, scale_step=spec.scale_step, mode="bicubic")
+    lhs = interior(conv(moved)[:, :, :, keep], 7)
+    rhs = interior(
+        act_on_features(y, g, scale_step=spec.scale_step, mode="bicubic")[:, :, :, keep], 7
+    )
+    wrong = interior(act_on_image(y, g, mode="bicubic")[:, :, :, keep], 7)
+    err, err_wrong = rel(lhs, rhs), rel(lhs, wrong)
+    assert err < 0.1
+    assert err < 0.5 * err_wrong
+
+
+# ---------------------------------------------------------------- fast path == reference path
+
+
+@pytest.mark.parametrize("spec", [SPEC, SPEC_SL, SPEC_BIG], ids=["fb", "sl", "k15"])
+def test_lifting_basis_path_matches_direct_path_with_gradients(spec):
+    conv = LiftingRSTConv(3, 4, spec).to(F64)
+    x = torch.randn(2, 3, 14, 18, dtype=F64, requires_grad=True)
+    grad_out = torch.randn(2, 4, 8, spec.num_scales, 14, 18, dtype=F64)
+    results = []
+    for path in (conv.forward_direct, conv.forward_basis):
+        x.grad = conv.weight.grad = None
+        y = path(x)
+        (y * grad_out).sum().backward()
+        results.append((y.detach(), x.grad.clone(), conv.weight.grad.clone()))
+    for ref, fast in zip(*results, strict=True):
+        torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "lt,mode,la",
+    [
+        (1, RotationTaps.COARSE, 1),
+        (4, RotationTaps.COARSE, 2),
+        (3, RotationTaps.ADJACENT, 2),
+    ],
+    ids=["Lt1-La1", "Lt4-coarse-La2", "Lt3-adjacent-La2"],
+)
+@pytest.mark.parametrize("size", [(12, 12), (10, 16)], ids=["square", "rect"])
+@pytest.mark.parametrize("fast", ["forward_fft", "forward_basis"])
+def test_group_fast_paths_match_direct_path_with_gradients(lt, mode, la, size, fast):
+    conv = GroupRSTConv(3, 4, SPEC3, rotation_taps=lt, scale_taps=la, tap_mode=mode).to(F64)
+    x = torch.randn(2, 3, 8, 3, *size, dtype=F64, requires_grad=True)
+    grad_out = torch.randn(2, 4, 8, 3, *size, dtype=F64)
+    results = []
+    for path in (conv.forward_direct, getattr(conv, fast)):
+        x.grad = conv.weight.grad = None
+        y = path(x)
+        (y * grad_out).sum().backward()
+        results.append((y.detach(), x.grad.clone(), conv.weight.grad.clone()))
+    for ref, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: GroupRSTConv(2, 3, SPEC, rotation_taps=2, scale_taps=2, method="direct"),
+        lambda: GroupRSTConv(2, 3, SPEC, rotation_taps=2, scale_taps=2, method="fft"),
+        lambda: GroupRSTConv(2, 3, SPEC, rotation_taps=2, scale_taps=2, method="basis"),
+        lambda: RSTBatchNorm(2),
+        lambda: RSTMaxPool(relu=True),
+        lambda: GroupMaxPool(spatial=False),
+    ],
+    ids=["group-direct", "group-fft", "group-basis", "batchnorm", "maxpool", "groupmax"],
+)
+def test_layers_give_the_same_values_in_every_memory_layout(make):
+    """Contiguous [B, C, R, S, H, W] and spatial-major [H, W, R, S, B, C] memory."""
+    layer = make().to(F64)
+    x = torch.randn(3, 2, 8, 2, 10, 10, dtype=F64)
+    grad_out = None
+    results = []
+    for xi in (x, spatial_major(x)):
+        xi = xi.detach().requires_grad_(True)
+        y = layer(xi)
+        grad_out = torch.randn_like(y) if grad_out is None else grad_out
+        (y * grad_out).sum().backward()
+        results.append((y.detach(), xi.grad))
+    for default, other in zip(*results, strict=True):
+        torch.testing.assert_close(other, default, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("size", [4, 6, 8])
+def test_group_fft_path_handles_maps_smaller_than_the_kernel(size):
+    """A 15 x 15 kernel on a small map (the third layer of a model with a small input)."""
+    conv = GroupRSTConv(2, 3, SPEC_BIG).to(F64)
+    x = torch.randn(1, 2, 8, 3, size, size, dtype=F64)
+    torch.testing.assert_close(conv.forward_fft(x), conv.forward_direct(x), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "method", [ConvMethod.AUTO, ConvMethod.DIRECT, ConvMethod.FFT, ConvMethod.BASIS]
+)
+def test_group_forward_dispatch_adds_bias(method):
+    conv = GroupRSTConv(2, 3, SPEC, method=method).to(F64)
+    with torch.no_grad():
+        conv.bias.normal_()
+    x = torch.randn(1, 2, 8, 2, 10, 10, dtype=F64)
+    expected = conv.forward_direct(x) + conv.bias.view(1, -1, 1, 1, 1, 1)
+    torch.testing.assert_close(conv(x), expected, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("method", [ConvMethod.AUTO, ConvMethod.DIRECT, ConvMethod.BASIS])
+def test_lifting_forward_dispatch_adds_bias(method):
+    conv = LiftingRSTConv(2, 3, SPEC, method=method).to(F64)
+    with torch.no_grad():
+        conv.bias.normal_()
+    x = torch.randn(1, 2, 10, 10, dtype=F64)
+    expected = conv.forward_direct(x) + conv.bias.view(1, -1, 1, 1, 1, 1)
+    torch.testing.assert_close(conv(x), expected, rtol=1e-10, atol=1e-10)
+
+
+def test_float64_cast_uses_the_exact_basis():
+    conv = LiftingRSTConv(1, 1, SPEC).to(F64)
+    assert conv.basis.dtype == F64
+    assert torch.equal(conv.basis, torch.from_numpy(sample_basis(SPEC).copy()))
+
+
+# ---------------------------------------------------------------- eval-mode filter caches
+
+
+LAYERS: dict[str, Callable[[], nn.Module]] = {
+    "lifting-direct": lambda: LiftingRSTConv(2, 3, SPEC, method=ConvMethod.DIRECT),
+    "group-direct": lambda: GroupRSTConv(2, 3, SPEC, rotation_taps=2, method=ConvMethod.DIRECT),
+    "group-fft": lambda: GroupRSTConv(2, 3, SPEC, rotation_taps=2, method=ConvMethod.FFT),
+    "group-basis": lambda: GroupRSTConv(2, 3, SPEC, rotation_taps=2, method=ConvMethod.BASIS),
+    "lifting-basis": lambda: LiftingRSTConv(2, 3, SPEC, method=ConvMethod.BASIS),
+}
+
+
+def layer_input(layer: nn.Module, batch: int = 2, dtype=torch.float32) -> torch.Tensor:
+    if isinstance(layer, LiftingRSTConv):
+        return torch.randn(batch, layer.in_channels, 12, 12, dtype=dtype)
+    return torch.randn(batch, layer.in_channels, 8, 2, 12, 12, dtype=dtype)
+
+
+def fresh_output(make: Callable[[], nn.Module], source: nn.Module, x: torch.Tensor):
+    """The output of a newly built layer holding ``source``'s parameters (no cache)."""
+    fresh = make().to(x.dtype)
+    fresh.load_state_dict(source.state_dict())
+    fresh.eval()
+    with torch.no_grad():
+        return fresh(x)
+
+
+def infer(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Forward without autograd: in eval mode this is what fills and reads the caches."""
+    with torch.no_grad():
+        return layer(x)
+
+
+def cached_eval(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    layer.eval()
+    return infer(layer, x)
+
+
+@pytest.mark.parametrize("kind", LAYERS)
+def test_cache_follows_in_place_edit_of_weight_data(kind):
+    """``p.data.mul_()`` does not bump ``p._version``: the cache must notice anyway."""
+    make = LAYERS[kind]
+    layer = make().eval()
+    x = layer_input(layer)
+    before = infer(layer, x)
+    layer.weight.data.mul_(-2.0)
+    after = infer(layer, x)
+    assert not torch.allclose(after, before)
+    torch.testing.assert_close(after, fresh_output(make, layer, x))
+
+
+@pytest.mark.parametrize("kind", LAYERS)
+def test_cache_follows_in_place_edit_under_no_grad(kind):
+    make = LAYERS[kind]
+    layer = make().eval()
+    x = layer_input(layer)
+    before = infer(layer, x)
+    with torch.no_grad():
+        layer.weight.add_(torch.randn_like(layer.weight))
+    after = infer(layer, x)
+    assert not torch.allclose(after, before)
+    torch.testing.assert_close(after, fresh_output(make, layer, x))
+
+
+@pytest.mark.parametrize("kind", LAYERS)
+def test_cache_follows_replaced_weight_data(kind):
+    make = LAYERS[kind]
+    layer = make().eval()
+    x = layer_input(layer)
+    before = infer(layer, x)
+    layer.weight.data = torch.randn_like(layer.weight)
+    after = infer(layer, x)
+    assert not torch.allclose(after, before)
+    torch.testing.assert_close(after, fresh_output(make, layer, x))
+
+
+@pytest.mark.parametrize("kind", LAYERS)
+@pytest.mark.parametrize("train_mode", [True, False], ids=["train-step", "eval-step"])
+def test_cache_follows_an_optimiser_step(kind, train_mode):
+    """Train-mode step then eval; or a step taken in eval mode (frozen batch norm)."""
+    make = LAYERS[kind]
+    layer = make().eval()
+    x = layer_input(layer)
+    before = infer(layer, x)
+    opt = torch.optim.Adam(layer.parameters(), lr=0.1)
+    if train_mode:
+        layer.train()
+    with torch.enable_grad():
+        layer(x).square().mean().backward()
+    opt.step()
+    after = cached_eval(layer, x)
+    assert not torch.allclose(after, before)
+    torch.testing.assert_close(after, fresh_output(make, layer, x))
+
+
+@pytest.mark.parametrize("kind", LAYERS)
+def test_load_state_dict_clears_cache(kind):
+    make = LAYERS[kind]
+    layer, other = make().eval(), make()
+    x = layer_input(layer)
+    before = infer(layer, x)
+    layer.load_state_dict(other.state_dict())
+    after = infer(layer, x)
+    assert not torch.allclose(after, before)
+    torch.testing.assert_close(after, cached_eval(other, x))
+
+
+@pytest.mark.parametrize("kind", LAYERS)
+def test_cache_follows_a_dtype_cast(kind):
+    make = LAYERS[kind]
+    layer = make().eval()
+    x = layer_input(layer)
+    infer(layer, x)
+    layer.to(F64)
+    out = infer(layer, x.to(F64))
+    assert out.dtype == F64
+    torch.testing.assert_close(out, fresh_output(make, layer, x.to(F64)), rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------- export
+
+
+EXPORTABLE: dict[str, Callable[[], nn.Module]] = {
+    "lifting-direct": lambda: LiftingRSTConv(2, 3, SPEC, method=ConvMethod.DIRECT),
+    "lifting-basis": lambda: LiftingRSTConv(2, 3, SPEC_SL, method=ConvMethod.BASIS),
+    "group-direct": lambda: GroupRSTConv(2, 3, SPEC, rotation_taps=4, method=ConvMethod.DIRECT),
+    "group-fft": lambda: GroupRSTConv(
+        2, 3, SPEC, rotation_taps=3, scale_taps=2, tap_mode="adjacent", method=ConvMethod.FFT
+    ),
+    "group-basis": lambda: GroupRSTConv(2, 3, SPEC_SL, rotation_taps=2, method=ConvMethod.BASIS),
+    "group-auto-nobias": lambda: GroupRSTConv(2, 3, SPEC, scale_taps=2, bias=False),
+    "batchnorm": lambda: RSTBatchNorm(2),
+    "maxpool-relu": lambda: RSTMaxPool(relu=True),
+    "maxpool": lambda: RSTMaxPool(relu=False),
+    "groupmax-spatial": lambda: GroupMaxPool(spatial=True),
+    "groupmax": lambda: GroupMaxPool(spatial=False),
+}
+
+
+def export_input(layer: nn.Module) -> torch.Tensor:
+    if isinstance(layer, LiftingRSTConv):
+        return torch.randn(4, layer.in_channels, 12, 12)
+    channels = layer.num_features if isinstance(layer, RSTBatchNorm) else 2
+    if isinstance(layer, GroupRSTConv):
+        channels = layer.in_channels
+    return torch.randn(4, channels, 8, 2, 12, 12) * 2 + 0.5
+
+
+@pytest.mark.parametrize("kind", EXPORTABLE)
+def test_export_matches_eval_forward_after_training(kind):
+    layer = EXPORTABLE[kind]()
+    x = export_input(layer)
+    cached_eval(layer, x)  # would leave a stale cache behind
+    params = list(layer.parameters())
+    layer.train()
+    if params:
+        opt = torch.optim.Adam(params, lr=0.05)
+        for _ in range(3):
+            opt.zero_grad()
+            layer(x).sin().mean().backward()
+            opt.step()
+    else:
+        layer(x)
+    expected = cached_eval(layer, x)
+    exported = layer.export()
+    assert isinstance(exported, torch.fx.GraphModule)
+    assert no_rstmodel_modules(exported)
+    with torch.no_grad():
+        got = exported(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # the export is a frozen copy: later changes to the source do not reach it
+    with torch.no_grad():
+        for p in params:
+            p.add_(1.0)
+        if isinstance(layer, RSTBatchNorm):
+            layer.running_mean.add_(1.0)
+        assert torch.equal(exported(x), got)
+        if params:
+            assert not torch.allclose(cached_eval(layer, x), got)
+
+
+def test_export_does_not_touch_the_source():
+    conv = GroupRSTConv(2, 3, SPEC, rotation_taps=2)
+    state = {k: v.clone() for k, v in conv.state_dict().items()}
+    conv.train()
+    conv.export()
+    assert conv.training
+    for k, v in conv.state_dict().items():
+        assert torch.equal(v, state[k])
+
+
+# ---------------------------------------------------------------- max-pool gradient
+
+
+def reference_pool(x: torch.Tensor, relu: bool) -> torch.Tensor:
+    y = F.max_pool2d(x.flatten(0, -3), 2)
+    y = F.relu(y) if relu else y
+    return y.view(*x.shape[:-2], *y.shape[-2:])
+
+
+@pytest.mark.parametrize("relu", [True, False])
+@pytest.mark.parametrize("ties", [False, True], ids=["continuous", "ties"])
+def test_max_pool_gradient_matches_max_pool2d(relu, ties):
+    if ties:
+        x = torch.randint(-2, 3, (2, 3, 4, 2, 6, 6)).to(F64)
+    else:
+        x = torch.randn(2, 3, 4, 2, 6, 6, dtype=F64)
+    grad_out = torch.randn(2, 3, 4, 2, 3, 3, dtype=F64)
+    grads = []
+    for pool in (RSTMaxPool(relu=relu), lambda t: reference_pool(t, relu)):
+        xi = x.clone().requires_grad_(True)
+        y = pool(xi)
+        (y * grad_out).sum().backward()
+        grads.append((y.detach(), xi.grad))
+    assert torch.equal(grads[0][0], grads[1][0])
+    assert torch.equal(grads[0][1], grads[1][1])
+
+
+@pytest.mark.parametrize("layout", ["spatial-major", "sliced", "expanded"])
+def test_max_pool_gradient_in_any_memory_layout(layout):
+    base = torch.randn(1, 2, 4, 2, 6, 12, dtype=F64, requires_grad=True)
+    views = {
+        "spatial-major": lambda t: spatial_major(t),
+        "sliced": lambda t: t[..., ::2],  # strided view with gaps
+        "expanded": lambda t: t[..., :6].expand(3, -1, -1, -1, -1, -1),  # stride 0 on B
+    }
+    grad_out = None
+    grads = []
+    for pool in (RSTMaxPool(relu=True), lambda t: reference_pool(t, True)):
+        base.grad = None
+        y = pool(views[layout](base))
+        grad_out = torch.randn_like(y) if grad_out is None else grad_out
+        (y * grad_out).sum().backward()
+        grads.append((y.detach(), base.grad.clone()))
+    assert torch.equal(grads[0][0], grads[1][0])
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=0, atol=1e-12)
+
+
+def test_max_pool_passes_gradcheck():
+    x = (torch.randn(1, 2, 2, 1, 4, 4, dtype=F64) + 0.3).requires_grad_(True)
+    assert torch.autograd.gradcheck(RSTMaxPool(relu=True), (x,), eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 8, 2, 7, 8), (1, 1, 8, 2, 8, 5)])
+def test_max_pool_refuses_odd_sizes(shape):
+    with pytest.raises(ValueError, match="even"):
+        RSTMaxPool()(torch.zeros(shape))
+
+
+# ---------------------------------------------------------------- input validation
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 2, 8, 4, 10, 10), (2, 3, 4, 4, 10, 10), (2, 3, 8, 2, 10, 10), (2, 3, 8, 10, 10)],
+    ids=["channels", "rotations", "scales", "5d"],
+)
+def test_group_conv_rejects_wrong_shapes(shape):
+    spec = BasisSpec(FB, 6, 8, tuple(2.5 * 2 ** (s / 2) for s in range(4)))
+    conv = GroupRSTConv(3, 2, spec)
+    with pytest.raises(ValueError) as info:
+        conv(torch.zeros(shape))
+    assert "[B, 3, 8, 4, H, W]" in str(info.value)
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 10, 10), (2, 3, 10), (2, 3, 8, 1, 10, 10)])
+def test_lifting_rejects_wrong_shapes(shape):
+    conv = LiftingRSTConv(3, 2, SPEC)
+    with pytest.raises(ValueError) as info:
+        conv(torch.zeros(shape))
+    assert "[B, 3, H, W]" in str(info.value)
+
+
+def test_norm_and_pool_reject_wrong_shapes():
+    with pytest.raises(ValueError, match=r"\[B, 3, R, S, H, W\]"):
+        RSTBatchNorm(3)(torch.zeros(2, 2, 8, 2, 4, 4))
+    with pytest.raises(ValueError, match=r"\[B, 3, R, S, H, W\]"):
+        RSTBatchNorm(3)(torch.zeros(2, 3, 4, 4))
+    with pytest.raises(ValueError, match=r"\[B, C, R, S, H, W\]"):
+        GroupMaxPool()(torch.zeros(2, 3, 4, 4))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(rotation_taps=3),  # does not divide Nr = 8 on the coarse grid
+        dict(rotation_taps=0),
+        dict(rotation_taps=9, tap_mode="adjacent"),
+        dict(scale_taps=3),  # > Ns = 2
+        dict(scale_taps=0),
+        dict(method="winograd"),
+        dict(tap_mode="diagonal"),
+    ],
+    ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()),
+)
+def test_group_conv_rejects_invalid_configs(kwargs):
+    with pytest.raises(ValueError):
+        GroupRSTConv(2, 3, SPEC, **kwargs)
+
+
+def test_group_conv_accepts_adjacent_taps_that_do_not_divide():
+    conv = GroupRSTConv(2, 3, SPEC, rotation_taps=3, tap_mode="adjacent")
+    assert conv.rot_index[:, 0].tolist() == [0, 1, 2]
+    coarse = GroupRSTConv(2, 3, SPEC, rotation_taps=4)
+    assert coarse.rot_index[:, 0].tolist() == [0, 2, 4, 6]
+
+
+@pytest.mark.parametrize("cls", [LiftingRSTConv, GroupRSTConv])
+def test_convs_reject_empty_channels(cls):
+    with pytest.raises(ValueError):
+        cls(0, 3, SPEC)
+    with pytest.raises(ValueError):
+        cls(2, 0, SPEC)
