@@ -103,7 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\n{where}; torch {torch.__version__}; batch {args.batch}; median of {args.repeats}")
     print(
         "\n| model | params | train step (s) | eval b{0} (s) | eval b1 (ms) | {2} (GiB) "
-        "| train / {1} | eval b{0} / {1} | eval b1 / {1} |".format(args.batch, base["model"], memory)
+        "| train / {1} | eval b{0} / {1} | eval b1 / {1} |".format(
+            args.batch, base["model"], memory
+        )
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
