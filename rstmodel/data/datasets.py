@@ -1,0 +1,85 @@
+"""torch Datasets over prepared uint8 arrays."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+from torchvision.transforms import InterpolationMode
+
+from .transforms import rotate_scale
+
+__all__ = ["ArrayDataset", "RotatedScaledDataset"]
+
+
+class ArrayDataset(Dataset):
+    """uint8 images ``[N, H, W]`` or ``[N, C, H, W]`` and labels ``[N]`` ->
+    ``(float32 [C, H, W] in [0, 1], label)``, then ``transform`` on the image if given."""
+
+    def __init__(
+        self,
+        images: np.ndarray,
+        labels: np.ndarray,
+        transform: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
+        if images.dtype != np.uint8 or images.ndim not in (3, 4):
+            raise ValueError(
+                f"expected uint8 images [N, H, W] or [N, C, H, W], got {images.dtype} {images.shape}"
+            )
+        if labels.shape != (images.shape[0],):
+            raise ValueError(f"{images.shape[0]} images but labels of shape {labels.shape}")
+        self.images = torch.from_numpy(
+            images if images.ndim == 4 else images[:, None]
+        )  # [N, C, H, W]
+        self.labels = torch.from_numpy(labels.astype(np.int64))
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def image(self, index: int) -> Tensor:
+        """float32 [C, H, W] in [0, 1], before ``transform``."""
+        return self.images[index].to(torch.float32) / 255.0
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+        image = self.image(index)
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, int(self.labels[index])
+
+
+class RotatedScaledDataset(ArrayDataset):
+    """Image ``i`` rotated by ``angles[i]`` rad and scaled by ``scales[i]`` about the centre
+    (e.g. the seeded STL-10 OOD test set). Same items as ``ArrayDataset``."""
+
+    def __init__(
+        self,
+        images: np.ndarray,
+        labels: np.ndarray,
+        angles: np.ndarray,
+        scales: np.ndarray,
+        *,
+        interpolation: InterpolationMode = InterpolationMode.BILINEAR,
+        transform: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
+        super().__init__(images, labels, transform)
+        if angles.shape != labels.shape or scales.shape != labels.shape:
+            raise ValueError(
+                f"need one angle and one scale per image: {labels.shape[0]} images, "
+                f"angles {angles.shape}, scales {scales.shape}"
+            )
+        self.angles = angles
+        self.scales = scales
+        self.interpolation = interpolation
+
+    def image(self, index: int) -> Tensor:
+        plain = super().image(index)
+        return rotate_scale(
+            plain,
+            float(self.angles[index]),
+            float(self.scales[index]),
+            interpolation=self.interpolation,
+        )
