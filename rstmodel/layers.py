@@ -378,8 +378,8 @@ class GroupRSTConv(_BasisConv):
 
     def choose_method(self, batch: int, h: int, w: int) -> ConvMethod:
         """The cheapest path by multiply-adds (all three run as GEMMs or convolutions).
-        FFT also pays for its filter spectra (Cin Cout R S nh Fw numbers whatever the
-        batch) and is refused while they outweigh both 1 GiB and the batch's own spectra;
+        FFT also pays for its filter spectra (Cin Cout R S nh Fw complex numbers whatever
+        the batch) and is refused while they outweigh both 2 GiB and the batch's spectra;
         BASIS keeps K responses per input channel, so it serves eval only."""
         rot, nsc, nk = self.spec.rotations, self.spec.num_scales, self.spec.num_funcs
         cit, cout = self.in_channels * self.taps, self.out_channels
@@ -389,7 +389,7 @@ class GroupRSTConv(_BasisConv):
         freqs = rot * nsc * nh * fw
         maps = batch * rot * nsc
         costs = {ConvMethod.DIRECT: batch * h * w * rot * area * cit * cout}
-        if freqs * cit * cout <= max(2**30 // 8, batch * (cit + cout) * freqs):
+        if freqs * cit * cout * 8 <= max(2**31, batch * (cit + cout) * freqs * 8):
             dfts = maps * self.in_channels * 2 * nh * w * (h + 2 * fw)
             dfts += maps * cout * 2 * h * fw * (2 * nh + w)
             build = 2 * nk * freqs * cit * cout if self.training else 0
