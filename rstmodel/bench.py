@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from .runtime import use_retaining_allocator
+
 
 def _time(fn, repeats: int, device: torch.device) -> float:
     def run() -> float:
@@ -71,6 +73,7 @@ def measure(name: str, batch: int, repeats: int, overrides: dict, device: torch.
 
 
 def main(argv: list[str] | None = None) -> None:
+    use_retaining_allocator()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="+", default=["cnn", "rst_cnn_fb", "rst_cnn_fb_ref"])
     parser.add_argument("--batch", type=int, default=128)
