@@ -1,4 +1,4 @@
-"""The CLIs' allocator set-up re-executes the process once with glibc's tunables."""
+"""The CLIs' opt-in allocator set-up re-executes the process once with glibc's tunables."""
 
 import os
 import platform
@@ -29,15 +29,15 @@ def run(env_extra: dict) -> str:
 
 @glibc_only
 def test_reexec_sets_the_tunables_once():
-    assert run({}) == RETAINING_TUNABLES
+    assert run({"RSTCNN_ALLOCATOR": "retain"}) == RETAINING_TUNABLES
 
 
 @glibc_only
 def test_existing_tunables_are_kept():
-    assert run({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == (
+    assert run({"RSTCNN_ALLOCATOR": "retain", "GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == (
         "glibc.malloc.arena_max=2:" + RETAINING_TUNABLES
     )
 
 
-def test_opt_out_leaves_the_environment_alone():
-    assert run({"RSTCNN_ALLOCATOR": "system"}) == ""
+def test_default_leaves_the_environment_alone():
+    assert run({}) == ""
