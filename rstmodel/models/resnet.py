@@ -45,6 +45,8 @@ class ResNetConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "widths", tuple(self.widths))
+        object.__setattr__(self, "basis", BasisFamily(self.basis))
+        object.__setattr__(self, "method", ConvMethod(self.method))
         if len(self.widths) != 3 or min(self.widths) < 1:
             raise ValueError(f"widths must be three positive ints, got {self.widths}")
         if self.input_size % 4:

@@ -1,0 +1,293 @@
+"""train/run.py end to end on a tiny synthetic RS-Fashion, exact resume, train/report.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rstmodel import load_checkpoint
+from rstmodel.data import RSConfig, load_rs
+from train import report, run
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "train" / "run.py"
+THREADS = os.environ.get("RST_TEST_THREADS", "1")
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    """An uncompressed IDX file of uint8 data: magic 0x00000800 + ndim, big-endian dims."""
+    header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+    path.write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> dict[str, Path]:
+    """400 random 28x28 images as IDX files, and an RS cache prepared from them."""
+    root = tmp_path_factory.mktemp("source")
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(400, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, size=400, dtype=np.uint8)
+    write_idx(root / "train-images-idx3-ubyte", images[:300])
+    write_idx(root / "train-labels-idx1-ubyte", labels[:300])
+    write_idx(root / "t10k-images-idx3-ubyte", images[300:])
+    write_idx(root / "t10k-labels-idx1-ubyte", labels[300:])
+    cache = tmp_path_factory.mktemp("cache")
+    load_rs(RSConfig("rs-fashion"), cache_dir=cache, data_root=root)  # subprocesses reuse it
+    return {"root": root, "cache": cache}
+
+
+@pytest.fixture
+def env(source, monkeypatch) -> dict[str, str]:
+    monkeypatch.setenv("RSTCNN_DATA", str(source["cache"]))
+    # RSTCNN_ALLOCATOR=system: no re-exec (it would import torch twice per launch)
+    extra = {"RSTCNN_DATA": str(source["cache"]), "RSTCNN_ALLOCATOR": "system"}
+    return {**os.environ, **extra, "PYTHONUNBUFFERED": "1"}
+
+
+def cli(source: dict[str, Path], out: Path, *extra: str, model: str = "cnn") -> list[str]:
+    """Arguments for a tiny run: 128 train / 64 validation / 64 test images."""
+    return [
+        "--model",
+        model,
+        "--data",
+        "rs-fashion",
+        "--data-root",
+        str(source["root"]),
+        "--train-size",
+        "128",
+        "--val-size",
+        "64",
+        "--limit-test",
+        "64",
+        "--batch-size",
+        "32",
+        "--threads",
+        THREADS,
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+def launch(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(SCRIPT), *args],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60) -> tuple[int, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out + err
+
+
+def metrics(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def checkpointed_an_epoch(out: Path) -> bool:
+    """metrics.jsonl has a line and last.pt was replaced after it (epoch >= 1 saved)."""
+    last, lines = out / "last.pt", out / "metrics.jsonl"
+    try:
+        return bool(metrics(out)) and last.stat().st_mtime_ns >= lines.stat().st_mtime_ns
+    except FileNotFoundError:
+        return False
+
+
+def without_times(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.endswith("time_s")} for r in records]
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    first = torch.load(a, weights_only=True)
+    second = torch.load(b, weights_only=True)
+    assert first["state_dict"].keys() == second["state_dict"].keys()
+    for key, value in first["state_dict"].items():
+        assert torch.equal(value, second["state_dict"][key]), f"{key} differs"
+    assert first["extra"]["epoch"] == second["extra"]["epoch"]
+
+
+def test_end_to_end_rst_model(tmp_path, source, env):
+    out = tmp_path / "run"
+    args = cli(source, out, "--epochs", "2", "--limit-train", "32", "--augment", model="rst_cnn_fb")
+    args += ["--model-arg", "channels=(4,6,8)", "--model-arg", "hidden=16"]
+    env = {k: v for k, v in env.items() if k != "RSTCNN_ALLOCATOR"}  # the real entry: re-exec
+    code, log = finish(launch(args, env))
+    assert code == 0, log
+    assert "device: cpu" in log
+
+    records = metrics(out)
+    assert [r["epoch"] for r in records] == [1, 2]
+    assert [r["lr"] for r in records] == pytest.approx([0.01, 0.001])  # tenfold after half
+    for r in records:
+        assert {"train_loss", "train_acc", "val_loss", "val_acc", "time_s"} <= set(r)
+        assert 0 <= r["train_acc"] <= 1 and 0 <= r["val_acc"] <= 1 and r["time_s"] > 0
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model"] == "rst_cnn_fb" and summary["augment"] is True
+    assert (summary["train_images"], summary["val_images"], summary["test_size"]) == (32, 64, 64)
+    assert 0 <= summary["test_acc"] <= 1 and summary["best_epoch"] in (1, 2)
+    best_val = max(r["val_acc"] for r in records)
+    assert summary["best_val_acc"] == best_val
+    assert "train/run.py" in summary["command"] and summary["train_seconds"] > 0
+    assert summary["config"]["channels"] == [4, 6, 8]
+
+    model, meta = load_checkpoint(out / "best.pt")
+    assert model.config.channels == (4, 6, 8) and meta.model_name == "rst_cnn_fb"
+    assert meta.class_names[-1] == "Ankle boot" and meta.input_size == 56
+    assert len(meta.mean) == 1 and meta.std[0] > 0
+    assert meta.metrics["epoch"] == summary["best_epoch"]
+
+
+def test_killed_and_interrupted_runs_resume_exactly(tmp_path, source, env):
+    epochs = ["--epochs", "3", "--augment", "--workers", "1"]  # workers: forked, seeded per epoch
+    whole, killed, stopped = tmp_path / "whole", tmp_path / "killed", tmp_path / "stopped"
+    reference = launch(cli(source, whole, *epochs), env)
+    victims = {
+        killed: (launch(cli(source, killed, *epochs), env), signal.SIGKILL),
+        stopped: (launch(cli(source, stopped, *epochs), env), signal.SIGINT),
+    }
+    pending = dict(victims)
+    deadline = time.monotonic() + 60
+    while pending and time.monotonic() < deadline:  # signal each after its first epoch
+        for out, (proc, sig) in list(pending.items()):
+            if checkpointed_an_epoch(out):
+                proc.send_signal(sig)
+                del pending[out]
+        time.sleep(0.01)
+    assert not pending, "no epoch finished within 60 s"
+
+    code, log = finish(victims[killed][0])
+    assert code == -signal.SIGKILL, log
+    code, log = finish(victims[stopped][0])
+    assert code == 130, log
+    assert "--resume" in log and "Traceback" not in log
+    for out in (killed, stopped):
+        assert not (out / "summary.json").exists(), "the run finished before the signal"
+        assert 1 <= torch.load(out / "last.pt", weights_only=True)["extra"]["epoch"] < 3
+
+    resumed = [launch(cli(source, out, *epochs, "--resume"), env) for out in (killed, stopped)]
+    for proc in [reference, *resumed]:
+        code, log = finish(proc)
+        assert code == 0, log
+
+    for out in (killed, stopped):
+        for name in ("last.pt", "best.pt"):
+            assert_same_weights(whole / name, out / name)
+        assert without_times(metrics(out)) == without_times(metrics(whole))
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["test_acc"] == json.loads((whole / "summary.json").read_text())["test_acc"]
+
+
+def test_unwritable_out_fails_before_training(tmp_path, source, env, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = blocker / "run"
+    assert run.main(cli(source, out, "--epochs", "1")) == 2
+    err = capsys.readouterr().err
+    assert "not a writable folder" in err and str(out) in err and "--out" in err
+
+
+def test_too_little_disk_space_fails_before_training(tmp_path, source, env, monkeypatch, capsys):
+    monkeypatch.setattr(run.shutil, "disk_usage", lambda path: type("U", (), {"free": 4096})())
+    out = tmp_path / "run"
+    assert run.main(cli(source, out, "--epochs", "1")) == 2
+    assert "MiB free" in capsys.readouterr().err
+    assert not (out / "last.pt").exists() and not metrics(out)
+
+
+def test_existing_runs_need_resume_with_the_same_settings(tmp_path, source, env, capsys):
+    out = tmp_path / "run"
+    assert run.main(cli(source, out, "--epochs", "1", "--limit-train", "32")) == 0
+    assert run.main(cli(source, out, "--epochs", "1", "--limit-train", "32")) == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert (
+        run.main(
+            cli(source, out, "--epochs", "1", "--limit-train", "32", "--lr", "0.1", "--resume")
+        )
+        == 2
+    )
+    assert "lr: 0.01 -> 0.1" in capsys.readouterr().err
+    before = (out / "summary.json").read_text()
+    assert run.main(cli(source, out, "--epochs", "1", "--limit-train", "32", "--resume")) == 0
+    assert (out / "summary.json").read_text() == before  # finished: nothing to do
+
+
+def test_trials_get_one_folder_and_seed_each(tmp_path, source, env, capsys):
+    out = tmp_path / "runs"
+    assert run.main(cli(source, out, "--epochs", "1", "--limit-train", "32", "--trials", "2")) == 0
+    summaries = [json.loads((out / f"trial{i}" / "summary.json").read_text()) for i in (0, 1)]
+    assert [s["seed"] for s in summaries] == [0, 1]
+    assert "over 2 trials" in capsys.readouterr().out
+    assert report.main([str(out)]) == 0
+    assert "| cnn | rs-fashion | 128 | no | ID | 2 |" in capsys.readouterr().out
+
+
+def write_stl10(folder: Path, train: int, test: int) -> None:
+    """Random images and labels in the official binary layout (3 x 96 x 96 per image)."""
+    rng = np.random.default_rng(0)
+    folder.mkdir(parents=True)
+    for split, n in (("train", train), ("test", test)):
+        rng.integers(0, 256, n * 3 * 96 * 96, dtype=np.uint8).tofile(folder / f"{split}_X.bin")
+        rng.integers(1, 11, n, dtype=np.uint8).tofile(folder / f"{split}_y.bin")
+
+
+def test_stl10_run_reports_id_and_ood_accuracy(tmp_path, capsys):
+    write_stl10(tmp_path / "stl10_binary", train=16, test=8)
+    out = tmp_path / "run"
+    args = ["--model", "resnet16", "--model-arg", "widths=(4,4,8)", "--data", "stl10"]
+    args += ["--stl10-root", str(tmp_path), "--epochs", "2", "--batch-size", "8"]
+    args += ["--device", "cpu", "--threads", THREADS, "--out", str(out)]
+    assert run.main(args) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["optimizer"] == "sgd" and summary["milestones"] == [1, 1, 1, 2]
+    assert (summary["train_images"], summary["val_images"], summary["test_ood_size"]) == (16, 0, 8)
+    assert 0 <= summary["test_acc"] <= 1 and 0 <= summary["test_ood_acc"] <= 1
+    assert summary["best_epoch"] == 2  # no validation split: the last epoch
+    assert [r["val_acc"] for r in metrics(out)] == [None, None]
+    _, meta = load_checkpoint(out / "best.pt")
+    assert meta.in_channels == 3 and len(meta.std) == 3 and meta.class_names[0] == "airplane"
+
+
+def test_report_groups_trials_beside_the_paper(tmp_path, capsys):
+    for i, acc in enumerate((0.78, 0.80)):
+        folder = tmp_path / "runs" / f"trial{i}"
+        folder.mkdir(parents=True)
+        summary = {"model": "rst_cnn_fb", "data": "rs-fashion", "train_size": 5000}
+        summary |= {"augment": False, "epochs": 60, "seed": i, "test_acc": acc}
+        (folder / "summary.json").write_text(json.dumps(summary))
+    stl = tmp_path / "stl" / "summary.json"
+    stl.parent.mkdir()
+    stl.write_text(
+        json.dumps(
+            {"model": "resnet16", "data": "stl10", "train_size": None, "augment": False}
+            | {"epochs": 5, "limit_train": 64, "test_acc": 0.5, "test_ood_acc": 0.25}
+        )
+    )
+    assert report.main([str(tmp_path / "runs"), str(tmp_path / "stl")]) == 0
+    table = capsys.readouterr().out
+    assert (
+        "| rst_cnn_fb | rs-fashion | 5000 | no | ID | 2 | 79.00 ± 1.00 | 78.64 ± 0.60 | +0.36 |  |"
+        in table
+    )
+    assert (
+        "| resnet16 | stl10 | all | no | OOD | 1 | 25.00 ± 0.00 | 37.63 ± 1.95 | -12.63 | reduced budget |"
+        in table
+    )

@@ -1,0 +1,1049 @@
+"""Train a model of the paper (Section 5) on RS-MNIST, RS-Fashion or STL-10.
+
+    python train/run.py --model rst_cnn_fb --data rs-fashion --train-size 5000
+    python train/run.py --model cnn --data rs-mnist --train-size 2000 --augment --trials 5
+    python train/run.py --model rst_resnet16 --data stl10 --stl10-root ~/datasets/stl10
+    python train/run.py --model cnn --data rs-fashion --resume   # after Ctrl-C or a crash
+
+Recipes (paper, Section 5): RS data: Adam, lr 0.01, tenfold decay after half the epochs,
+60 epochs, batch 128, N_tr train / 2,000 validation / the rest test images. STL-10: SGD with
+Nesterov momentum 0.9 and weight decay 5e-4, lr 0.1, tenfold decays at 30/40/60/80 % of the
+epochs (1000), batch 64, crop + flip + Cutout, all 5,000 training images (no validation split
+unless --val-size; the last epoch is then the best), ID and OOD test accuracy.
+
+Written to --out DIR: metrics.jsonl (one line per epoch), best.pt (best validation accuracy),
+last.pt (the last completed epoch with optimizer, scheduler and RNG states), train.log and,
+at the end, summary.json (best.pt evaluated on the test split). Checkpoints are written only
+after an epoch completes, atomically; every epoch reseeds all random streams from
+(seed, epoch), so a run stopped at any point (Ctrl-C, SIGTERM, SIGKILL) and resumed with
+--resume ends with the same weights, bit for bit on the same device and thread count, as one
+that ran through. Ctrl-C / SIGTERM stop at the next batch; the partial epoch is dropped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import shlex
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+from torchvision.transforms import v2
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+import rstmodel
+from rstmodel import create_model, list_models
+from rstmodel.checkpoint import (
+    CheckpointError,
+    atomic_write,
+    config_to_dict,
+    load_checkpoint,
+    save_checkpoint,
+)
+from rstmodel.data import (
+    NUM_VAL,
+    ArrayDataset,
+    RandomRST,
+    RotatedScaledDataset,
+    RSConfig,
+    RSDataset,
+    SourceNotFoundError,
+    load_rs,
+    load_stl10,
+    ood_parameters,
+    stl10_train_transform,
+)
+from rstmodel.runtime import use_retaining_allocator
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: runs in one folder are not guarded against each other
+    fcntl = None  # type: ignore[assignment]
+
+log = logging.getLogger("train")
+
+STL10 = "stl10"
+DATA_CHOICES = tuple(d.value for d in RSDataset) + (STL10,)
+CLASS_NAMES = {
+    RSDataset.MNIST.value: tuple(str(d) for d in range(10)),
+    RSDataset.FASHION.value: (
+        "T-shirt/top",
+        "Trouser",
+        "Pullover",
+        "Dress",
+        "Coat",
+        "Sandal",
+        "Shirt",
+        "Sneaker",
+        "Bag",
+        "Ankle boot",
+    ),
+    STL10: ("airplane", "bird", "car", "cat", "deer", "dog", "horse", "monkey", "ship", "truck"),
+}
+# settings that decide the weights; resuming with others is refused
+RESULT_SETTINGS = (
+    "model",
+    "model_args",
+    "data",
+    "train_size",
+    "val_size",
+    "realization",
+    "seed",
+    "augment",
+    "epochs",
+    "batch_size",
+    "lr",
+    "limit_train",
+    "limit_test",
+)
+EXIT_ERROR, EXIT_SETUP = 1, 2
+EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The paper's optimiser and schedule for a data set."""
+
+    optimizer: str  # "adam" or "sgd"
+    lr: float
+    epochs: int
+    batch_size: int
+    decay_at: tuple[float, ...]  # fractions of the epochs after which lr drops tenfold
+    val_size: int
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    nesterov: bool = False
+
+    def milestones(self, epochs: int) -> list[int]:
+        """Epochs after which the lr drops tenfold, the paper's fractions scaled to ``epochs``;
+        an epoch listed twice drops it a hundredfold, so the total decay stays the paper's."""
+        return sorted(max(1, math.floor(f * epochs + 0.5)) for f in self.decay_at)
+
+
+RS_RECIPE = Recipe(
+    "adam", lr=0.01, epochs=60, batch_size=128, decay_at=(30 / 60,), val_size=NUM_VAL
+)
+STL10_RECIPE = Recipe(
+    "sgd",
+    lr=0.1,
+    epochs=1000,
+    batch_size=64,
+    decay_at=(300 / 1000, 400 / 1000, 600 / 1000, 800 / 1000),
+    val_size=0,
+    momentum=0.9,
+    weight_decay=5e-4,
+    nesterov=True,
+)
+
+
+class SetupError(Exception):
+    """A problem found before training; the message says what to change."""
+
+
+class TrainingError(Exception):
+    """Training cannot go on (e.g. the loss diverged)."""
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived; raised at the next batch boundary."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+class StopRequest:
+    """SIGINT / SIGTERM set a flag that the loops check between batches; a second Ctrl-C
+    raises KeyboardInterrupt at once."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal_name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+
+    def check(self) -> None:
+        if self.signal_name is not None:
+            raise Interrupted(self.signal_name)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[StopRequest]:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        try:
+            yield self
+        finally:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def parse_model_arg(text: str) -> tuple[str, Any]:
+    """``key=value`` with a Python literal value (``channels=(4,6,8)``); bare words are
+    strings (``basis=sl``)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(
+            f"expected key=value (e.g. channels=(4,6,8)), got {text!r}"
+        )
+    try:
+        value = ast.literal_eval(raw.strip())
+    except (ValueError, SyntaxError):
+        value = raw.strip()
+    if isinstance(value, (set, frozenset, bytes, complex)):
+        raise argparse.ArgumentTypeError(f"{key}: use numbers, strings, tuples or lists, got {raw}")
+    return key, value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="rst_cnn_fb", choices=list_models())
+    parser.add_argument("--data", default=RSDataset.FASHION.value, choices=DATA_CHOICES)
+    parser.add_argument(
+        "--train-size", type=int, default=None, help="N_tr (RS default 5000; STL-10: all)"
+    )
+    parser.add_argument(
+        "--val-size", type=int, default=None, help=f"validation images (RS {NUM_VAL}, STL-10 0)"
+    )
+    parser.add_argument(
+        "--realization", "--realisation", type=int, default=0, help="RS data realisation"
+    )
+    parser.add_argument("--epochs", type=int, default=None, help="RS 60, STL-10 1000")
+    parser.add_argument("--batch-size", type=int, default=None, help="RS 128, STL-10 64")
+    parser.add_argument("--lr", type=float, default=None, help="RS 0.01 (Adam), STL-10 0.1 (SGD)")
+    parser.add_argument("--seed", type=int, default=0, help="training seed (first of --trials)")
+    parser.add_argument(
+        "--augment", action="store_true", help='random RST augmentation (the paper\'s "+" data)'
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="run folder (default runs/<model>-<data>-...)"
+    )
+    parser.add_argument("--resume", action="store_true", help="continue from --out/last.pt")
+    parser.add_argument(
+        "--trials", type=int, default=1, help="N runs with seeds seed..seed+N-1 in out/trial<i>"
+    )
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda:0")
+    parser.add_argument(
+        "--data-root", type=Path, default=None, help="folder of RS source files (IDX etc.)"
+    )
+    parser.add_argument("--stl10-root", type=Path, default=None, help="folder of stl10_binary/")
+    parser.add_argument(
+        "--model-arg",
+        dest="model_args",
+        type=parse_model_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override, a Python literal (repeatable): --model-arg channels=(4,6,8)",
+    )
+    parser.add_argument("--limit-train", type=int, default=None, help="use N training images")
+    parser.add_argument(
+        "--limit-test", type=int, default=None, help="evaluate N validation and N test images"
+    )
+    parser.add_argument(
+        "--workers", type=int, default=None, help="data loader processes (cpu 0, cuda 8)"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = parser.parse_args(argv)
+
+    recipe = STL10_RECIPE if args.data == STL10 else RS_RECIPE
+    args.epochs = recipe.epochs if args.epochs is None else args.epochs
+    args.batch_size = recipe.batch_size if args.batch_size is None else args.batch_size
+    args.lr = recipe.lr if args.lr is None else args.lr
+    args.val_size = recipe.val_size if args.val_size is None else args.val_size
+    if args.train_size is None and args.data != STL10:
+        args.train_size = 5000
+    args.model_args = dict(args.model_args)
+    positive = {"--epochs": args.epochs, "--batch-size": args.batch_size, "--trials": args.trials}
+    positive |= {"--limit-train": args.limit_train, "--limit-test": args.limit_test}
+    positive |= {"--train-size": args.train_size, "--threads": args.threads}
+    for flag, value in positive.items():
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
+    for flag, value in {"--val-size": args.val_size, "--workers": args.workers}.items():
+        if value is not None and value < 0:
+            parser.error(f"{flag} must be non-negative, got {value}")
+    if args.seed < 0 or args.realization < 0:
+        parser.error("--seed and --realization must be non-negative")
+    if not args.lr > 0:
+        parser.error(f"--lr must be positive, got {args.lr}")
+    if args.data == STL10:
+        if args.stl10_root is None:
+            parser.error("--data stl10 needs --stl10-root DIR (the folder holding stl10_binary/)")
+        if args.augment:
+            parser.error(
+                "--augment (random RST) is for RS data; STL-10 always uses the paper's crop, "
+                "flip and Cutout"
+            )
+    if args.out is None:
+        size = "all" if args.train_size is None else args.train_size
+        aug = "-aug" if args.augment else ""
+        name = f"{args.model}-{args.data}-{size}{aug}-r{args.realization}-s{args.seed}"
+        args.out = Path("runs") / name
+    return args
+
+
+def settings_of(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """What decides a trial's weights (stored in its checkpoints, compared on --resume)."""
+    values = {key: getattr(args, key) for key in RESULT_SETTINGS}
+    values["seed"] = seed
+    return values
+
+
+def command_line() -> str:
+    return shlex.join(["python", *sys.argv])
+
+
+def resume_command() -> str:
+    argv = list(sys.argv)
+    if "--resume" not in argv:
+        argv.append("--resume")
+    return shlex.join(["python", *argv])
+
+
+# ---------------------------------------------------------------- data
+
+
+@dataclass(frozen=True, eq=False)
+class TrainData:
+    """Datasets of one run; images come out normalised, float32 [C, H, W]."""
+
+    train: Dataset
+    evals: dict[str, Dataset]  # "val" (if any), "test", and "test_ood" for STL-10
+    class_names: tuple[str, ...]
+    in_channels: int
+    input_size: int
+    mean: tuple[float, ...]  # per channel, images in [0, 1]
+    std: tuple[float, ...]
+    description: str
+
+
+def channel_stats(
+    images: np.ndarray, chunk: int = 256
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std in [0, 1] units, accumulated in float64 over chunks of
+    images (no full float copy). uint8 [N, H, W] or [N, C, H, W]."""
+    planes = images[:, None] if images.ndim == 3 else images  # [N, C, H, W]
+    total = np.zeros(planes.shape[1])
+    squares = np.zeros(planes.shape[1])
+    for start in range(0, planes.shape[0], chunk):
+        block = planes[start : start + chunk].astype(np.float64) / 255
+        total += block.sum(axis=(0, 2, 3))
+        squares += np.square(block).sum(axis=(0, 2, 3))
+    count = planes.shape[0] * planes.shape[2] * planes.shape[3]
+    mean = total / count
+    std = np.sqrt(np.maximum(squares / count - mean**2, 0.0))
+    return tuple(float(m) for m in mean), tuple(float(s) if s > 0 else 1.0 for s in std)
+
+
+def _limit(array: np.ndarray, limit: int | None) -> np.ndarray:
+    return array if limit is None else array[:limit]
+
+
+def load_rs_data(args: argparse.Namespace) -> TrainData:
+    config = RSConfig(args.data, realisation=args.realization)
+    data = load_rs(config, data_root=args.data_root, progress=True)
+    test_total = data.images.shape[0] - args.train_size - args.val_size
+    num_test = None if args.limit_test is None else min(args.limit_test, max(test_total, 1))
+    try:
+        splits = data.split(args.train_size, num_val=args.val_size, num_test=num_test)
+    except ValueError as err:
+        raise SetupError(f"{err} (here: --train-size and --val-size)") from None
+    train_images = _limit(splits.train.images, args.limit_train)
+    train_labels = _limit(splits.train.labels, args.limit_train)
+    mean, std = channel_stats(train_images)
+    normalize = v2.Normalize(mean, std)
+    train_transform = v2.Compose([RandomRST(), normalize]) if args.augment else normalize
+    evals: dict[str, Dataset] = {}
+    if args.val_size:
+        evals["val"] = ArrayDataset(
+            _limit(splits.val.images, args.limit_test),
+            _limit(splits.val.labels, args.limit_test),
+            normalize,
+        )
+    evals["test"] = ArrayDataset(splits.test.images, splits.test.labels, normalize)
+    return TrainData(
+        train=ArrayDataset(train_images, train_labels, train_transform),
+        evals=evals,
+        class_names=CLASS_NAMES[args.data],
+        in_channels=1,
+        input_size=int(data.images.shape[-1]),
+        mean=mean,
+        std=std,
+        description=f"{args.data} realisation {args.realization} from {data.path}",
+    )
+
+
+def load_stl10_data(args: argparse.Namespace) -> TrainData:
+    data = load_stl10(args.stl10_root)
+    total = data.train_labels.shape[0]
+    train_size = total - args.val_size if args.train_size is None else args.train_size
+    if train_size < 1 or train_size + args.val_size > total:
+        raise SetupError(
+            f"STL-10 has {total} training images: --train-size {train_size} plus --val-size "
+            f"{args.val_size} do not fit"
+        )
+    order = np.random.default_rng([0, args.realization]).permutation(total)
+    val_idx, train_idx = order[: args.val_size], order[args.val_size : args.val_size + train_size]
+    if args.val_size == 0 and train_size == total:
+        train_idx = np.arange(total)  # the paper's setting: the training set as it is
+    train_idx = _limit(train_idx, args.limit_train)
+    train_images = data.train_images[train_idx]
+    mean, std = channel_stats(train_images)
+    normalize = v2.Normalize(mean, std)
+    angles, scales = ood_parameters(data.test_labels.shape[0], seed=0, realisation=args.realization)
+    test = slice(None) if args.limit_test is None else slice(args.limit_test)
+    evals: dict[str, Dataset] = {}
+    if args.val_size:
+        val_idx = _limit(val_idx, args.limit_test)
+        evals["val"] = ArrayDataset(
+            data.train_images[val_idx], data.train_labels[val_idx], normalize
+        )
+    evals["test"] = ArrayDataset(data.test_images[test], data.test_labels[test], normalize)
+    evals["test_ood"] = RotatedScaledDataset(
+        data.test_images[test],
+        data.test_labels[test],
+        angles[test],
+        scales[test],
+        transform=normalize,
+    )
+    return TrainData(
+        train=ArrayDataset(
+            train_images,
+            data.train_labels[train_idx],
+            v2.Compose([stl10_train_transform(), normalize]),
+        ),
+        evals=evals,
+        class_names=CLASS_NAMES[STL10],
+        in_channels=3,
+        input_size=int(data.train_images.shape[-1]),
+        mean=mean,
+        std=std,
+        description=f"STL-10 from {data.folder} (OOD draws: realisation {args.realization})",
+    )
+
+
+def load_data(args: argparse.Namespace) -> TrainData:
+    try:
+        return load_stl10_data(args) if args.data == STL10 else load_rs_data(args)
+    except SourceNotFoundError as err:
+        raise SetupError(str(err)) from None
+
+
+# ---------------------------------------------------------------- randomness
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """A 32-bit seed for epoch ``epoch`` of the run seeded ``seed`` (epoch 0: initialisation)."""
+    return int(np.random.SeedSequence([seed, epoch]).generate_state(1)[0])
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (CPU and CUDA), numpy's global generator and Python's ``random``."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    """Every global random state, as tensors and plain values."""
+    name, key, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [name, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss],
+        "python": random.getstate(),
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    name, key, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, key.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+
+
+# ---------------------------------------------------------------- output folder
+
+
+def check_writable(out: Path) -> None:
+    """Create ``out`` and write a probe file there, or raise SetupError."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-probe.{os.getpid()}"
+        with open(probe, "wb") as handle:
+            handle.write(b"ok")
+            handle.flush()
+            os.fsync(handle.fileno())
+        probe.unlink()
+    except OSError as err:
+        raise SetupError(
+            f"--out {out} is not a writable folder ({type(err).__name__}: "
+            f"{err.strerror or err}); pass --out with a folder you can write to"
+        ) from None
+
+
+def check_free_space(out: Path, needed: int) -> None:
+    free = shutil.disk_usage(out).free
+    if free < needed:
+        raise SetupError(
+            f"only {free / 2**20:.1f} MiB free under {out}, and this run needs about "
+            f"{needed / 2**20:.1f} MiB (best.pt, last.pt and a temporary copy while one is "
+            "written): free some space or pass another --out"
+        )
+
+
+def checkpoint_bytes(model: nn.Module, optimizer: str) -> int:
+    """Disk needed for best.pt + last.pt (weights, buffers, optimizer state) + one temporary
+    copy of each, plus room for logs."""
+    state = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    per_param = 2 if optimizer == "adam" else 1  # Adam: two moments; SGD: momentum buffer
+    return 2 * (2 * state + per_param * params) + 16 * 2**20
+
+
+@contextlib.contextmanager
+def folder_lock(out: Path) -> Iterator[None]:
+    """Hold ``out/.lock`` so that two runs never write the same folder. A POSIX record
+    lock: owned by this process alone (data loader workers forked from it do not hold
+    it), and released by the kernel when the process dies, even by SIGKILL."""
+    if fcntl is None:
+        yield
+        return
+    with open(out / ".lock", "a+b") as handle:
+        try:
+            fcntl.lockf(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise SetupError(
+                f"another run is writing {out}; wait for it or pass another --out"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.lockf(handle.fileno(), fcntl.LOCK_UN)
+
+
+def append_line(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(record) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    text = json.dumps(data, indent=2) + "\n"
+    atomic_write(path, lambda handle: handle.write(text.encode()))
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The epoch records of metrics.jsonl; a torn last line (killed mid-write) is skipped."""
+    if not path.is_file():
+        return []
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            log.warning("%s line %d is incomplete; dropped", path, number)
+    return records
+
+
+# ---------------------------------------------------------------- training
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return f"{device} (torch threads: {torch.get_num_threads()})"
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise SetupError(f"--device {name!r}: {err}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SetupError(
+            f"--device {name} asked for CUDA, but torch sees no CUDA device; use --device cpu"
+        )
+    return device
+
+
+class Trial:
+    """One training run (one seed) in one folder."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        data: TrainData,
+        *,
+        seed: int,
+        out: Path,
+        device: torch.device,
+        stop: StopRequest,
+    ):
+        self.args, self.data, self.seed, self.out = args, data, seed, out
+        self.device, self.stop = device, stop
+        self.settings = settings_of(args, seed)
+        self.recipe = STL10_RECIPE if args.data == STL10 else RS_RECIPE
+        self.milestones = self.recipe.milestones(args.epochs)
+        self.best_path, self.last_path = out / "best.pt", out / "last.pt"
+        self.metrics_path, self.summary_path = out / "metrics.jsonl", out / "summary.json"
+
+        seed_everything(epoch_seed(seed, 0))
+        overrides = {
+            "in_channels": data.in_channels,
+            "num_classes": len(data.class_names),
+            "input_size": data.input_size,
+            **args.model_args,
+        }
+        try:
+            self.model = create_model(args.model, **overrides).to(device)
+        except (TypeError, ValueError) as err:
+            raise SetupError(f"cannot build {args.model} with {overrides}: {err}") from None
+        config = self.model.config
+        wanted = (data.in_channels, len(data.class_names), data.input_size)
+        got = tuple(getattr(config, k, None) for k in ("in_channels", "num_classes", "input_size"))
+        if got != wanted:
+            raise SetupError(
+                f"{args.data} needs in_channels, num_classes, input_size = {wanted}; "
+                "drop the --model-arg that changes them"
+            )
+        params = self.model.parameters()
+        if self.recipe.optimizer == "adam":
+            self.optimizer: torch.optim.Optimizer = torch.optim.Adam(params, lr=args.lr)
+        else:
+            self.optimizer = torch.optim.SGD(
+                params,
+                lr=args.lr,
+                momentum=self.recipe.momentum,
+                nesterov=self.recipe.nesterov,
+                weight_decay=self.recipe.weight_decay,
+            )
+        self.scheduler = torch.optim.lr_scheduler.MultiStepLR(
+            self.optimizer, milestones=self.milestones, gamma=0.1
+        )
+        workers = args.workers if args.workers is not None else (8 if device.type == "cuda" else 0)
+        self.workers = min(workers, os.cpu_count() or 1)
+        self.generator = torch.Generator()
+        pin = device.type == "cuda"
+        self.train_loader = DataLoader(
+            data.train,
+            batch_size=args.batch_size,
+            shuffle=True,
+            generator=self.generator,
+            num_workers=self.workers,
+            pin_memory=pin,
+        )
+        self.eval_loaders = {
+            name: DataLoader(
+                dataset, batch_size=args.batch_size, num_workers=self.workers, pin_memory=pin
+            )
+            for name, dataset in data.evals.items()
+        }
+        self.best_epoch = 0
+        self.best_val: float | None = None
+
+    # -------------------------------------------------------- checkpoints
+
+    def environment(self) -> dict[str, Any]:
+        return {
+            "device": self.device.type,
+            "threads": torch.get_num_threads(),
+            "workers": self.workers,
+        }
+
+    def _save(self, path: Path, metrics: dict[str, Any], extra: dict[str, Any]) -> None:
+        save_checkpoint(
+            path,
+            self.model,
+            model_name=self.args.model,
+            class_names=self.data.class_names,
+            input_size=self.data.input_size,
+            in_channels=self.data.in_channels,
+            normalization=(self.data.mean, self.data.std),
+            metrics=metrics,
+            extra={"run": self.settings, "env": self.environment(), **extra},
+        )
+
+    def save_last(self, epoch: int, metrics: dict[str, Any]) -> None:
+        self._save(
+            self.last_path,
+            metrics,
+            {
+                "epoch": epoch,
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "rng": rng_state(),
+                "best": {"epoch": self.best_epoch, "val_acc": self.best_val},
+            },
+        )
+
+    def restore(self) -> int:
+        """Load last.pt into the model, optimizer, scheduler and RNGs; the completed epoch."""
+        try:
+            saved, meta = load_checkpoint(self.last_path, map_location="cpu")
+        except CheckpointError as err:
+            raise SetupError(f"cannot resume: {err}") from None
+        missing = {"run", "epoch", "optimizer", "scheduler", "rng", "best"} - set(meta.extra)
+        if missing:
+            raise SetupError(
+                f"{self.last_path} is a model checkpoint without the training state "
+                f"({', '.join(sorted(missing))}), not a last.pt of train/run.py: pass another --out"
+            )
+        run = meta.extra["run"]
+        changed = [k for k in RESULT_SETTINGS if run.get(k) != self.settings[k]]
+        if changed:
+            diff = ", ".join(f"{k}: {run.get(k)!r} -> {self.settings[k]!r}" for k in changed)
+            raise SetupError(
+                f"{self.last_path} belongs to a run with other settings ({diff}); resume with "
+                f"the same options, or pass another --out for a new run"
+            )
+        if meta.config != config_to_dict(self.model.config):
+            raise SetupError(
+                f"{self.last_path}: the model config changed since it was written "
+                f"({meta.config} -> {config_to_dict(self.model.config)}); pass another --out"
+            )
+        if (meta.mean, meta.std) != (self.data.mean, self.data.std):
+            log.warning(
+                "the training images' mean/std (%s, %s) differ from last.pt's (%s, %s): "
+                "the data changed since the run began",
+                self.data.mean,
+                self.data.std,
+                meta.mean,
+                meta.std,
+            )
+        env = meta.extra.get("env", {})
+        if env != self.environment():
+            log.warning(
+                "resuming with %s, the run began with %s: the result can differ in the last "
+                "bits from an uninterrupted run",
+                self.environment(),
+                env,
+            )
+        self.model.load_state_dict(saved.state_dict())
+        self.optimizer.load_state_dict(meta.extra["optimizer"])
+        self.scheduler.load_state_dict(meta.extra["scheduler"])
+        set_rng_state(meta.extra["rng"])
+        self.best_epoch = meta.extra["best"]["epoch"]
+        self.best_val = meta.extra["best"]["val_acc"]
+        return int(meta.extra["epoch"])
+
+    # -------------------------------------------------------- loops
+
+    def train_epoch(self, epoch: int) -> tuple[float, float]:
+        """One pass over the training set; mean loss and accuracy."""
+        self.model.train()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        correct = torch.zeros((), dtype=torch.int64, device=self.device)
+        seen = 0
+        bar = tqdm(
+            self.train_loader,
+            desc=f"epoch {epoch}/{self.args.epochs}",
+            unit="batch",
+            leave=False,
+            dynamic_ncols=True,
+            disable=None,
+        )
+        for step, (images, labels) in enumerate(bar, 1):
+            self.stop.check()
+            images = images.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
+            logits = self.model(images)
+            loss = F.cross_entropy(logits, labels)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            loss_sum += loss.detach().to(torch.float64) * labels.shape[0]
+            correct += (logits.detach().argmax(1) == labels).sum()
+            seen += labels.shape[0]
+            if not bar.disable and (step % 10 == 0 or step == len(self.train_loader)):
+                bar.set_postfix(
+                    loss=f"{loss_sum.item() / seen:.4f}", acc=f"{correct.item() / seen:.4f}"
+                )
+        self.stop.check()
+        return loss_sum.item() / seen, correct.item() / seen
+
+    @torch.inference_mode()
+    def evaluate(self, model: nn.Module, name: str) -> tuple[float, float]:
+        """Mean loss and accuracy of ``model`` on the eval set ``name``."""
+        model.eval()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        correct = torch.zeros((), dtype=torch.int64, device=self.device)
+        seen = 0
+        loader = self.eval_loaders[name]
+        for images, labels in tqdm(loader, desc=name, unit="batch", leave=False, disable=None):
+            self.stop.check()
+            images = images.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
+            logits = model(images)
+            loss_sum += F.cross_entropy(logits, labels, reduction="sum").to(torch.float64)
+            correct += (logits.argmax(1) == labels).sum()
+            seen += labels.shape[0]
+        return loss_sum.item() / seen, correct.item() / seen
+
+    # -------------------------------------------------------- the run
+
+    def prepare(self) -> int:
+        """Check the folder and return the last completed epoch (0 for a new run)."""
+        check_free_space(self.out, checkpoint_bytes(self.model, self.recipe.optimizer))
+        for stale in self.out.glob(".*.tmp"):  # left by a run killed while writing
+            stale.unlink(missing_ok=True)
+        if self.args.resume and self.last_path.is_file():
+            done = self.restore()
+            kept = [r for r in read_metrics(self.metrics_path) if r.get("epoch", 0) <= done]
+            write_json_lines(self.metrics_path, kept)
+            log.info("resuming %s after epoch %d of %d", self.out, done, self.args.epochs)
+            return done
+        if self.args.resume:
+            log.warning("nothing to resume in %s (no last.pt): starting a new run", self.out)
+        existing = [
+            p.name for p in (self.last_path, self.best_path, self.summary_path) if p.exists()
+        ]
+        if existing and not self.args.resume:
+            raise SetupError(
+                f"{self.out} already holds a run ({', '.join(existing)}); pass --resume to "
+                "continue it, or another --out for a new run"
+            )
+        self.metrics_path.write_text("", encoding="utf-8")
+        self.save_last(0, {})
+        return 0
+
+    def fit(self, start: int) -> None:
+        for epoch in range(start + 1, self.args.epochs + 1):
+            seed = epoch_seed(self.seed, epoch)
+            seed_everything(seed)
+            self.generator.manual_seed(seed)
+            lr = self.optimizer.param_groups[0]["lr"]
+            began = time.perf_counter()
+            train_loss, train_acc = self.train_epoch(epoch)
+            if not math.isfinite(train_loss):
+                raise TrainingError(
+                    f"epoch {epoch}: the training loss is {train_loss}; lower --lr (now "
+                    f"{self.args.lr}). last.pt holds epoch {epoch - 1}"
+                )
+            trained = time.perf_counter()
+            val_loss, val_acc = (
+                self.evaluate(self.model, "val") if "val" in self.eval_loaders else (None, None)
+            )
+            ended = time.perf_counter()
+            self.scheduler.step()
+            record = {
+                "epoch": epoch,
+                "lr": lr,
+                "train_loss": train_loss,
+                "train_acc": train_acc,
+                "val_loss": val_loss,
+                "val_acc": val_acc,
+                "time_s": round(ended - began, 3),
+                "train_time_s": round(trained - began, 3),
+                "val_time_s": round(ended - trained, 3),
+            }
+            if val_acc is None or self.best_val is None or val_acc > self.best_val:
+                self.best_epoch, self.best_val = epoch, val_acc
+                self._save(self.best_path, record, {"epoch": epoch})
+            record["best_epoch"] = self.best_epoch
+            append_line(self.metrics_path, record)
+            self.save_last(epoch, record)
+            log.info(
+                "epoch %d/%d  lr %.3g  train loss %.4f acc %.4f  val %s  %.1f s%s",
+                epoch,
+                self.args.epochs,
+                lr,
+                train_loss,
+                train_acc,
+                "-" if val_acc is None else f"loss {val_loss:.4f} acc {val_acc:.4f}",
+                ended - began,
+                "  (best)" if self.best_epoch == epoch else "",
+            )
+
+    def finish(self, started: float) -> dict[str, Any]:
+        """Evaluate best.pt on the test split(s) and write summary.json."""
+        began = time.perf_counter()
+        try:
+            best, meta = load_checkpoint(self.best_path, map_location=self.device)
+        except (CheckpointError, FileNotFoundError) as err:
+            raise TrainingError(f"cannot evaluate the best checkpoint: {err}") from None
+        if meta.metrics.get("epoch") != self.best_epoch:
+            log.warning(
+                "best.pt holds epoch %s, last.pt says %s",
+                meta.metrics.get("epoch"),
+                self.best_epoch,
+            )
+        results: dict[str, Any] = {}
+        for name in ("test", "test_ood"):
+            if name in self.eval_loaders:
+                loss, acc = self.evaluate(best, name)
+                results |= {f"{name}_acc": acc, f"{name}_loss": loss}
+                results[f"{name}_size"] = len(self.data.evals[name])
+                log.info(
+                    "%s accuracy of best.pt (epoch %s): %.4f", name, meta.metrics.get("epoch"), acc
+                )
+        records = read_metrics(self.metrics_path)
+        train_seconds = sum(r.get("time_s", 0.0) for r in records)
+        summary = {
+            **self.settings,
+            "train_images": len(self.data.train),
+            "val_images": len(self.data.evals["val"]) if "val" in self.data.evals else 0,
+            "optimizer": self.recipe.optimizer,
+            "milestones": self.milestones,
+            "num_params": sum(p.numel() for p in self.model.parameters()),
+            "config": config_to_dict(self.model.config),
+            "best_epoch": meta.metrics.get("epoch"),
+            "best_val_acc": meta.metrics.get("val_acc"),
+            "best_val_loss": meta.metrics.get("val_loss"),
+            **results,
+            "train_seconds": round(train_seconds, 3),
+            "seconds_per_epoch": round(train_seconds / max(len(records), 1), 3),
+            "test_seconds": round(time.perf_counter() - began, 3),
+            "session_seconds": round(time.perf_counter() - started, 3),
+            "device": describe_device(self.device),
+            "command": command_line(),
+            "data_description": self.data.description,
+            "rstcnn_version": rstmodel.__version__,
+            "torch_version": str(torch.__version__),
+            "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+        write_json(self.summary_path, summary)
+        log.info("wrote %s", self.summary_path)
+        return summary
+
+    def run(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        done = self.prepare()
+        if done >= self.args.epochs and self.summary_path.is_file():
+            log.info("%s is finished already (summary.json)", self.out)
+            return json.loads(self.summary_path.read_text(encoding="utf-8"))
+        log.info(
+            "training %s (%d parameters) on %s, %d train images, device %s",
+            self.args.model,
+            sum(p.numel() for p in self.model.parameters()),
+            self.args.data,
+            len(self.data.train),
+            describe_device(self.device),
+        )
+        try:
+            self.fit(done)
+        except Interrupted:
+            epoch = len(read_metrics(self.metrics_path))
+            log.warning(
+                "stopped during epoch %d; %s holds epoch %d", epoch + 1, self.last_path, epoch
+            )
+            raise
+        return self.finish(started)
+
+
+def write_json_lines(path: Path, records: list[dict[str, Any]]) -> None:
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    atomic_write(path, lambda handle: handle.write(text.encode()))
+
+
+# ---------------------------------------------------------------- main
+
+
+def trial_dirs(args: argparse.Namespace) -> list[tuple[int, Path]]:
+    if args.trials == 1:
+        return [(args.seed, args.out)]
+    return [(args.seed + i, args.out / f"trial{i}") for i in range(args.trials)]
+
+
+def _log_to_file(path: Path) -> logging.Handler:
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)
+    return handler
+
+
+def run_trials(args: argparse.Namespace, stop: StopRequest) -> list[dict[str, Any]]:
+    trials = trial_dirs(args)
+    for _, out in trials:  # fail before any data is loaded
+        check_writable(out)
+    device = pick_device(args.device)
+    log.info("device: %s", describe_device(device))
+    data = load_data(args)
+    log.info("data: %s", data.description)
+    summaries = []
+    for seed, out in trials:
+        with folder_lock(out):
+            handler = _log_to_file(out / "train.log")
+            try:
+                log.info("trial seed %d in %s: %s", seed, out, command_line())
+                trial = Trial(args, data, seed=seed, out=out, device=device, stop=stop)
+                summaries.append(trial.run())
+            finally:
+                logging.getLogger().removeHandler(handler)
+                handler.close()
+    return summaries
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"
+    )
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    stop = StopRequest()
+    try:
+        with stop.installed(), logging_redirect_tqdm():
+            summaries = run_trials(args, stop)
+    except SetupError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_SETUP
+    except TrainingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except (Interrupted, KeyboardInterrupt) as err:
+        name = err.signal_name if isinstance(err, Interrupted) else "SIGINT"
+        print(
+            f"\nstopped by {name}; the unfinished epoch was dropped and each trial's last.pt "
+            f"holds its last completed epoch. Resume with:\n  {resume_command()}",
+            file=sys.stderr,
+        )
+        return EXIT_SIGNAL.get(name, EXIT_ERROR)
+    accuracies = [s["test_acc"] for s in summaries]
+    if len(accuracies) > 1:
+        print(
+            f"test accuracy over {len(accuracies)} trials: "
+            f"{100 * np.mean(accuracies):.2f} +- {100 * np.std(accuracies):.2f} %"
+        )
+    else:
+        print(f"test accuracy: {100 * accuracies[0]:.2f} %  ({args.out / 'summary.json'})")
+    return 0
+
+
+if __name__ == "__main__":
+    use_retaining_allocator()  # re-exec once so glibc keeps freed blocks (DESIGN section 6)
+    sys.exit(main())
