@@ -18,6 +18,17 @@ after an epoch completes, atomically; every epoch reseeds all random streams fro
 (seed, epoch), so a run stopped at any point (Ctrl-C, SIGTERM, SIGKILL) and resumed with
 --resume ends with the same weights, bit for bit on the same device and thread count, as one
 that ran through. Ctrl-C / SIGTERM stop at the next batch; the partial epoch is dropped.
+
+Several processes (DistributedDataParallel; gloo on the CPU, nccl on CUDA, one GPU each):
+
+    torchrun --standalone --nproc_per_node=2 train/run.py --model cnn --data rs-fashion
+
+Every rank trains on its share (rank, rank + N, ...) of each epoch's seeded permutation of
+the training set (padded by wrapping round to a multiple of N, as DistributedSampler does);
+--batch-size stays the global batch and each process takes --batch-size / N of it (it must
+divide); DDP averages the gradients. Validation and test accuracy cover the whole split
+(each rank evaluates a share, the counts are summed). Only rank 0 writes the run folder (the
+same files as one process) and shows progress; --resume loads last.pt on every rank.
 """
 
 from __future__ import annotations
@@ -44,8 +55,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from torchvision.transforms import v2
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -197,6 +210,99 @@ class StopRequest:
         finally:
             for sig, handler in self._previous.items():
                 signal.signal(sig, handler)
+
+
+# ---------------------------------------------------------------- processes
+
+
+@dataclass(frozen=True)
+class Distributed:
+    """This process's place among the ``torchrun`` processes (one process: rank 0 of 1)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> Distributed:
+        """RANK, WORLD_SIZE and LOCAL_RANK as torchrun sets them."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return cls()
+        return cls(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")))
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def init(self, device: torch.device) -> None:
+        """Join the process group (gloo on the CPU, nccl on CUDA) when there are several."""
+        if self.enabled and not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
+    def sum(self, *values: torch.Tensor) -> None:
+        """Sum each tensor over the ranks, in place."""
+        if self.enabled:
+            for value in values:
+                dist.all_reduce(value)
+
+    def any(self, flag: bool, device: torch.device) -> bool:
+        """Whether ``flag`` holds on some rank."""
+        if not self.enabled:
+            return flag
+        value = torch.tensor(int(flag), device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
+    def on_main(self, fn: Any) -> Any:
+        """``fn()`` on rank 0; its result (or its SetupError / TrainingError, raised again)
+        on every rank, so that no rank waits for one that failed."""
+        if not self.enabled:
+            return fn()
+        box: list[Any] = [None]
+        if self.main:
+            try:
+                box[0] = ("ok", fn())
+            except (SetupError, TrainingError) as err:
+                box[0] = (type(err).__name__, str(err))
+                dist.broadcast_object_list(box, src=0)
+                raise
+        dist.broadcast_object_list(box, src=0)
+        status, value = box[0]
+        if status == "ok":
+            return value
+        raise (SetupError if status == "SetupError" else TrainingError)(value)
+
+
+class ShardSampler(Sampler[int]):
+    """Rank ``rank``'s indices (rank, rank + N, ...) of a permutation drawn from
+    ``set_seed``'s seed, the same on every rank; padded by wrapping round to a multiple of N
+    so that every rank takes the same number of batches."""
+
+    def __init__(self, size: int, rank: int, world_size: int) -> None:
+        self.size, self.rank, self.world_size = size, rank, world_size
+        self.seed = 0
+
+    def set_seed(self, seed: int) -> None:
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return math.ceil(self.size / self.world_size)
+
+    def __iter__(self) -> Iterator[int]:
+        order = torch.randperm(self.size, generator=torch.Generator().manual_seed(self.seed))
+        total = len(self) * self.world_size
+        if total > self.size:
+            order = torch.cat([order, order.repeat(math.ceil(total / self.size))])[:total]
+        return iter(order[self.rank : total : self.world_size].tolist())
 
 
 # ---------------------------------------------------------------- arguments
@@ -587,17 +693,22 @@ def describe_device(device: torch.device) -> str:
     return f"{device} (torch threads: {torch.get_num_threads()})"
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, procs: Distributed | None = None) -> torch.device:
+    """``name`` as a device; under torchrun, CUDA means GPU LOCAL_RANK."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as err:
-        raise SetupError(f"--device {name!r}: {err}") from None
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            device = torch.device(name)
+        except RuntimeError as err:
+            raise SetupError(f"--device {name!r}: {err}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SetupError(
             f"--device {name} asked for CUDA, but torch sees no CUDA device; use --device cpu"
         )
+    if device.type == "cuda" and procs is not None and procs.enabled:
+        device = torch.device("cuda", procs.local_rank)
+        torch.cuda.set_device(device)
     return device
 
 
@@ -613,9 +724,16 @@ class Trial:
         out: Path,
         device: torch.device,
         stop: StopRequest,
+        procs: Distributed | None = None,
     ):
         self.args, self.data, self.seed, self.out = args, data, seed, out
         self.device, self.stop = device, stop
+        self.procs = procs = procs or Distributed()
+        if args.batch_size % procs.world_size:
+            raise SetupError(
+                f"--batch-size {args.batch_size} (the global batch) must be a multiple of the "
+                f"{procs.world_size} processes"
+            )
         self.settings = settings_of(args, seed)
         self.recipe = STL10_RECIPE if args.data == STL10 else RS_RECIPE
         self.milestones = self.recipe.milestones(args.epochs)
@@ -659,17 +777,31 @@ class Trial:
         self.workers = min(workers, os.cpu_count() or 1)
         self.generator = torch.Generator()
         pin = device.type == "cuda"
+        # the model that trains: DDP around self.model (checkpoints hold self.model's state)
+        self.train_model: nn.Module = self.model
+        self.sampler: ShardSampler | None = None
+        if procs.enabled:
+            self.train_model = DistributedDataParallel(
+                self.model, device_ids=[device] if device.type == "cuda" else None
+            )
+            self.sampler = ShardSampler(len(data.train), procs.rank, procs.world_size)
         self.train_loader = DataLoader(
             data.train,
-            batch_size=args.batch_size,
-            shuffle=True,
+            batch_size=args.batch_size // procs.world_size,
+            shuffle=self.sampler is None,
+            sampler=self.sampler,
             generator=self.generator,
             num_workers=self.workers,
             pin_memory=pin,
         )
         self.eval_loaders = {
             name: DataLoader(
-                dataset, batch_size=args.batch_size, num_workers=self.workers, pin_memory=pin
+                Subset(dataset, range(procs.rank, len(dataset), procs.world_size))
+                if procs.enabled
+                else dataset,
+                batch_size=args.batch_size,
+                num_workers=self.workers,
+                pin_memory=pin,
             )
             for name, dataset in data.evals.items()
         }
@@ -679,11 +811,14 @@ class Trial:
     # -------------------------------------------------------- checkpoints
 
     def environment(self) -> dict[str, Any]:
-        return {
+        env = {
             "device": self.device.type,
             "threads": torch.get_num_threads(),
             "workers": self.workers,
         }
+        if self.procs.enabled:
+            env["processes"] = self.procs.world_size
+        return env
 
     def _save(self, path: Path, metrics: dict[str, Any], extra: dict[str, Any]) -> None:
         save_checkpoint(
@@ -775,13 +910,13 @@ class Trial:
             unit="batch",
             leave=False,
             dynamic_ncols=True,
-            disable=None,
+            disable=None if self.procs.main else True,
         )
         for step, (images, labels) in enumerate(bar, 1):
-            self.stop.check()
+            self.check_stop()
             images = images.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
-            logits = self.model(images)
+            logits = self.train_model(images)
             loss = F.cross_entropy(logits, labels)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -793,8 +928,21 @@ class Trial:
                 bar.set_postfix(
                     loss=f"{loss_sum.item() / seen:.4f}", acc=f"{correct.item() / seen:.4f}"
                 )
-        self.stop.check()
-        return loss_sum.item() / seen, correct.item() / seen
+        self.check_stop()
+        return self._mean(loss_sum, correct, seen)
+
+    def check_stop(self) -> None:
+        """Raise Interrupted once a signal arrived (on any rank: all stop at the same batch)."""
+        if self.procs.any(self.stop.signal_name is not None, self.device):
+            raise Interrupted(self.stop.signal_name or "SIGTERM")
+
+    def _mean(
+        self, loss_sum: torch.Tensor, correct: torch.Tensor, seen: int
+    ) -> tuple[float, float]:
+        """Mean loss and accuracy, summed over the ranks."""
+        count = torch.tensor(seen, dtype=torch.int64, device=self.device)
+        self.procs.sum(loss_sum, correct, count)
+        return loss_sum.item() / count.item(), correct.item() / count.item()
 
     @torch.inference_mode()
     def evaluate(self, model: nn.Module, name: str) -> tuple[float, float]:
@@ -804,7 +952,10 @@ class Trial:
         correct = torch.zeros((), dtype=torch.int64, device=self.device)
         seen = 0
         loader = self.eval_loaders[name]
-        for images, labels in tqdm(loader, desc=name, unit="batch", leave=False, disable=None):
+        bar = tqdm(
+            loader, desc=name, unit="batch", leave=False, disable=None if self.procs.main else True
+        )
+        for images, labels in bar:
             self.stop.check()
             images = images.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
@@ -812,12 +963,21 @@ class Trial:
             loss_sum += F.cross_entropy(logits, labels, reduction="sum").to(torch.float64)
             correct += (logits.argmax(1) == labels).sum()
             seen += labels.shape[0]
-        return loss_sum.item() / seen, correct.item() / seen
+        self.check_stop()
+        return self._mean(loss_sum, correct, seen)
 
     # -------------------------------------------------------- the run
 
     def prepare(self) -> int:
-        """Check the folder and return the last completed epoch (0 for a new run)."""
+        """Check the folder and return the last completed epoch (0 for a new run); with
+        several processes rank 0 does it, the others then load last.pt if it resumed."""
+        done = self.procs.on_main(self._prepare)
+        if not self.procs.main and done > 0:
+            self.restore()
+        self.procs.barrier()
+        return done
+
+    def _prepare(self) -> int:
         check_free_space(self.out, checkpoint_bytes(self.model, self.recipe.optimizer))
         for stale in self.out.glob(".*.tmp"):  # left by a run killed while writing
             stale.unlink(missing_ok=True)
@@ -844,6 +1004,11 @@ class Trial:
     def fit(self, start: int) -> None:
         for epoch in range(start + 1, self.args.epochs + 1):
             seed = epoch_seed(self.seed, epoch)
+            if self.sampler is not None:  # one permutation for all; own augmentation draws
+                self.sampler.set_seed(seed)
+                seed = int(
+                    np.random.SeedSequence([self.seed, epoch, self.procs.rank]).generate_state(1)[0]
+                )
             seed_everything(seed)
             self.generator.manual_seed(seed)
             lr = self.optimizer.param_groups[0]["lr"]
@@ -871,12 +1036,16 @@ class Trial:
                 "train_time_s": round(trained - began, 3),
                 "val_time_s": round(ended - trained, 3),
             }
+            self.procs.barrier()
             if val_acc is None or self.best_val is None or val_acc > self.best_val:
                 self.best_epoch, self.best_val = epoch, val_acc
-                self._save(self.best_path, record, {"epoch": epoch})
+                if self.procs.main:
+                    self._save(self.best_path, record, {"epoch": epoch})
             record["best_epoch"] = self.best_epoch
-            append_line(self.metrics_path, record)
-            self.save_last(epoch, record)
+            if self.procs.main:
+                append_line(self.metrics_path, record)
+                self.save_last(epoch, record)
+            self.procs.barrier()
             log.info(
                 "epoch %d/%d  lr %.3g  train loss %.4f acc %.4f  val %s  %.1f s%s",
                 epoch,
@@ -936,14 +1105,20 @@ class Trial:
             "torch_version": str(torch.__version__),
             "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        write_json(self.summary_path, summary)
-        log.info("wrote %s", self.summary_path)
+        if self.procs.enabled:
+            summary["processes"] = self.procs.world_size
+        if self.procs.main:
+            write_json(self.summary_path, summary)
+            log.info("wrote %s", self.summary_path)
+        self.procs.barrier()
         return summary
 
     def run(self) -> dict[str, Any]:
         started = time.perf_counter()
         done = self.prepare()
-        if done >= self.args.epochs and self.summary_path.is_file():
+        finished = self.summary_path.is_file()
+        self.procs.barrier()  # every rank has looked before anything is written
+        if done >= self.args.epochs and finished:
             log.info("%s is finished already (summary.json)", self.out)
             return json.loads(self.summary_path.read_text(encoding="utf-8"))
         log.info(
@@ -986,25 +1161,43 @@ def _log_to_file(path: Path) -> logging.Handler:
     return handler
 
 
-def run_trials(args: argparse.Namespace, stop: StopRequest) -> list[dict[str, Any]]:
+def run_trials(
+    args: argparse.Namespace, stop: StopRequest, procs: Distributed | None = None
+) -> list[dict[str, Any]]:
+    procs = procs or Distributed()
     trials = trial_dirs(args)
-    for _, out in trials:  # fail before any data is loaded
-        check_writable(out)
-    device = pick_device(args.device)
+    device = pick_device(args.device, procs)
+    procs.init(device)
+
+    def check_folders() -> None:
+        for _, out in trials:  # fail before any data is loaded
+            check_writable(out)
+
+    procs.on_main(check_folders)
     log.info("device: %s", describe_device(device))
+    if procs.enabled:
+        log.info(
+            "process %d of %d, %d images per batch each",
+            procs.rank,
+            procs.world_size,
+            args.batch_size // procs.world_size,
+        )
     data = load_data(args)
     log.info("data: %s", data.description)
     summaries = []
     for seed, out in trials:
-        with folder_lock(out):
-            handler = _log_to_file(out / "train.log")
+        with contextlib.ExitStack() as stack:
+            # the lock and train.log belong to rank 0, the process that writes the folder
+            procs.on_main(lambda: stack.enter_context(folder_lock(out)))  # noqa: B023
+            handler = _log_to_file(out / "train.log") if procs.main else None
             try:
                 log.info("trial seed %d in %s: %s", seed, out, command_line())
-                trial = Trial(args, data, seed=seed, out=out, device=device, stop=stop)
+                trial = Trial(args, data, seed=seed, out=out, device=device, stop=stop, procs=procs)
                 summaries.append(trial.run())
             finally:
-                logging.getLogger().removeHandler(handler)
-                handler.close()
+                if handler is not None:
+                    logging.getLogger().removeHandler(handler)
+                    handler.close()
     return summaries
 
 
@@ -1015,10 +1208,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    procs = Distributed.from_env()
+    if not procs.main:  # rank 0 reports; the others only their warnings
+        logging.getLogger().setLevel(logging.WARNING)
     stop = StopRequest()
     try:
         with stop.installed(), logging_redirect_tqdm():
-            summaries = run_trials(args, stop)
+            summaries = run_trials(args, stop, procs)
     except SetupError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_SETUP
@@ -1033,6 +1229,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_SIGNAL.get(name, EXIT_ERROR)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if not procs.main:
+        return 0
     accuracies = [s["test_acc"] for s in summaries]
     if len(accuracies) > 1:
         print(
@@ -1045,5 +1246,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    use_retaining_allocator()  # re-exec once so glibc keeps freed blocks (DESIGN section 6)
+    if "WORLD_SIZE" not in os.environ:  # not under torchrun, whose agent watches this process
+        use_retaining_allocator()  # re-exec once so glibc keeps freed blocks (DESIGN section 6)
     sys.exit(main())
