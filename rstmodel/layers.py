@@ -184,7 +184,7 @@ class _BasisConv(nn.Module):
 class LiftingRSTConv(_BasisConv):
     """Z2 -> RST lifting convolution (eq. 4).  x [B, Cin, H, W] -> [B, Cout, R, S, H, W].
 
-    ``method``: DIRECT, or any other for the BASIS path (always the cheaper one here)."""
+    ``method``: AUTO (the cheaper by multiply-adds), DIRECT, or BASIS (FFT means BASIS)."""
 
     def __init__(
         self,
@@ -220,9 +220,21 @@ class LiftingRSTConv(_BasisConv):
                 f"LiftingRSTConv expects images [B, {self.in_channels}, H, W], "
                 f"got shape {tuple(x.shape)}"
             )
-        if self.method is ConvMethod.DIRECT:
+        method = self.method
+        if method is ConvMethod.AUTO:
+            method = self.choose_method()
+        if method is ConvMethod.DIRECT:
             return self._add_bias(self.forward_direct(x))
         return self._add_bias(self.forward_basis(x))
+
+    def choose_method(self) -> ConvMethod:
+        """DIRECT when Cout R kernels cost fewer multiply-adds than K R basis kernels plus
+        the mixing (few output channels), else BASIS."""
+        rot, nsc, nk = self.spec.rotations, self.spec.num_scales, self.spec.num_funcs
+        area = sum(k * k for k in self.spec.kernel_sizes)
+        direct = self.in_channels * self.out_channels * rot * area
+        basis = self.in_channels * nk * (rot * area + rot * nsc * self.out_channels)
+        return ConvMethod.DIRECT if direct < basis else ConvMethod.BASIS
 
     def conv_weights(self) -> list[Tensor]:
         """Per scale s, the conv2d weight ``[Cout*R, Cin, ks, ks]`` (its own kernel size)."""
