@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from torch import Tensor, nn
 
 from ..layers import plain_copy
-from .registry import register_model
+from .registry import check_images, register_model
 
 __all__ = ["CNNConfig", "CNN"]
 
@@ -66,9 +66,7 @@ class CNN(nn.Module):
         )
 
     def check_input(self, x: Tensor) -> None:
-        c, n = self.config.in_channels, self.config.input_size
-        if x.dim() != 4 or tuple(x.shape[1:]) != (c, n, n):
-            raise ValueError(f"expected input [B, {c}, {n}, {n}], got shape {tuple(x.shape)}")
+        check_images(x, self.config.in_channels, self.config.input_size)
 
     def forward(self, x: Tensor) -> Tensor:
         self.check_input(x)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from torch import nn
+from torch import Tensor, nn
 
-__all__ = ["register_model", "create_model", "list_models", "model_description"]
+__all__ = ["register_model", "create_model", "list_models", "model_description", "check_images"]
 
 _REGISTRY: dict[str, Callable[..., nn.Module]] = {}
 
@@ -36,3 +36,11 @@ def create_model(name: str, **overrides) -> nn.Module:
     except KeyError:
         raise ValueError(f"unknown model {name!r}; available: {', '.join(list_models())}") from None
     return factory(**overrides)
+
+
+def check_images(x: Tensor, channels: int, size: int) -> None:
+    """Refuse anything but a batch of images ``[B, channels, size, size]``, naming it."""
+    if x.dim() != 4 or tuple(x.shape[1:]) != (channels, size, size):
+        raise ValueError(
+            f"expected input [B, {channels}, {size}, {size}], got shape {tuple(x.shape)}"
+        )

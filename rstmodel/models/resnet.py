@@ -22,7 +22,7 @@ from ..layers import (
     RSTMaxPool,
     plain_copy,
 )
-from .registry import register_model
+from .registry import check_images, register_model
 
 __all__ = ["ResNetConfig", "ResNet16", "RSTResNet16"]
 
@@ -101,9 +101,7 @@ class _Shortcut(nn.Module):
 
 
 def _check(x: Tensor, config: ResNetConfig) -> None:
-    c, n = config.in_channels, config.input_size
-    if x.dim() != 4 or tuple(x.shape[1:]) != (c, n, n):
-        raise ValueError(f"expected input [B, {c}, {n}, {n}], got shape {tuple(x.shape)}")
+    check_images(x, config.in_channels, config.input_size)
 
 
 def _stages(config: ResNetConfig, stem_out: int, make_conv, make_norm, make_pool, project):

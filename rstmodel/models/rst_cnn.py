@@ -22,7 +22,7 @@ from ..layers import (
     RSTMaxPool,
     plain_copy,
 )
-from .registry import register_model
+from .registry import check_images, register_model
 
 __all__ = ["RSTCNNConfig", "RSTCNN"]
 
@@ -117,9 +117,7 @@ class RSTCNN(nn.Module):
         )
 
     def check_input(self, x: Tensor) -> None:
-        c, n = self.config.in_channels, self.config.input_size
-        if x.dim() != 4 or tuple(x.shape[1:]) != (c, n, n):
-            raise ValueError(f"expected input [B, {c}, {n}, {n}], got shape {tuple(x.shape)}")
+        check_images(x, self.config.in_channels, self.config.input_size)
 
     def forward_features(self, x: Tensor) -> Tensor:
         """The last equivariant map.  x [B, Cin, N, N] -> [B, C, R, S, N/8, N/8]."""
