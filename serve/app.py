@@ -1,0 +1,324 @@
+"""The web app: classify an uploaded, drawn or sample image with the shipped models side by
+side, and show how stable each prediction is under rotation, scaling and deformation.
+
+    python serve/app.py [--model M.onnx ...] [--host 127.0.0.1] [--port 7860]
+
+One server: the HTTP API (``serve.api``: /healthz, /v1/models, /v1/classify, /v1/stability,
+OpenAPI docs at /docs) and the Gradio UI mounted at /. Nothing leaves the machine: Gradio's
+analytics are off, its front end and fonts are served from the installed package, and the
+server binds 127.0.0.1 unless told otherwise. Limits: uploads up to ``MAX_UPLOAD_BYTES``,
+images up to ``MAX_PIXELS`` pixels (``serve.uploads``).
+"""
+
+# ruff: noqa: E402  (Gradio reads its settings from the environment when it is imported)
+from __future__ import annotations
+
+import os
+
+os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"  # before gradio is imported
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("MPLBACKEND", "Agg")
+
+import argparse
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+import numpy as np
+from fastapi import FastAPI
+
+from rstmodel.data import default_cache_dir
+from serve import Classifier
+from serve.api import BodyLimit, ModelSet, create_router
+from serve.samples import Sample, write_samples
+from serve.stability import (
+    StabilityReport,
+    SweepSpec,
+    measure_stability,
+    plot_report,
+    thumbnails,
+)
+from serve.uploads import MAX_PIXELS, MAX_UPLOAD_BYTES, UploadError, decode_image, read_file
+
+__all__ = ["build_app", "build_ui", "main", "DEFAULT_MODELS"]
+
+log = logging.getLogger("serve.app")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODELS = ("models/rst_cnn_fb.onnx", "models/cnn.onnx")
+_TEXT = {"upload": "Upload", "draw": "Draw"}
+
+
+def _load(models: Sequence[str | Path | Any] | None, threads: int | None) -> list[Any]:
+    """Classifiers from ONNX paths (relative ones against the working folder, then the
+    repository) or ready objects."""
+    out = []
+    for item in models or DEFAULT_MODELS:
+        if not isinstance(item, (str, Path)):
+            out.append(item)
+            continue
+        path = Path(item)
+        if not path.is_file() and not path.is_absolute() and (REPO_ROOT / path).is_file():
+            path = REPO_ROOT / path
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"no model at {item}: export a checkpoint with "
+                f"`python export/to_onnx.py {Path(item).with_suffix('.pt')} -o {item}`"
+            )
+        out.append(Classifier.from_onnx(path, threads=threads))
+    return out
+
+
+def build_app(
+    models: Sequence[str | Path | Any] | None = None,
+    *,
+    samples_dir: str | Path | None = None,
+    spec: SweepSpec | None = None,
+    threads: int | None = None,
+) -> FastAPI:
+    """The API and the Gradio UI on one FastAPI app.
+
+    ``models``: ONNX paths or ``Classifier`` objects (default: the shipped RST-CNN and CNN);
+    ``samples_dir``: where the gallery's test images are written (default: the data cache's
+    ``app/samples``); ``threads``: onnxruntime intra-op threads per model.
+    """
+    model_set = ModelSet(_load(models, threads))
+    spec = spec or SweepSpec()
+    folder = Path(samples_dir) if samples_dir else default_cache_dir() / "app" / "samples"
+    samples = write_samples(folder)
+    app = FastAPI(
+        title="rstcnn",
+        version="0.1.0",
+        description="Roto-scale-translation equivariant CNNs: classification and prediction "
+        "stability under rotation, scaling and deformation. The web app is at /.",
+    )
+    app.add_middleware(BodyLimit, limit=MAX_UPLOAD_BYTES + 2**20)  # + multipart overhead
+    app.include_router(create_router(model_set, spec=spec))
+    app.state.models = model_set
+    app.state.samples = samples
+    blocks = build_ui(model_set, samples, spec=spec)
+    return gr.mount_gradio_app(
+        app,
+        blocks,
+        path="/",
+        max_file_size=MAX_UPLOAD_BYTES,
+        allowed_paths=[str(folder.resolve())],
+        footer_links=["api"],
+        show_error=True,
+        theme=gr.themes.Default(),  # local fonts only
+    )
+
+
+def build_ui(models: ModelSet, samples: Sequence[Sample], *, spec: SweepSpec) -> gr.Blocks:
+    """The Gradio page over ``models``; ``samples`` fill the gallery."""
+    default = models.get(None)
+    with gr.Blocks(title="RST-CNN: prediction stability", analytics_enabled=False) as demo:
+        gr.Markdown(_intro(models, spec))
+        source = gr.State("upload")
+        with gr.Row():
+            with gr.Column(scale=2):
+                with gr.Tabs():
+                    with gr.Tab("Upload", id="upload") as upload_tab:
+                        image = gr.Image(
+                            label="Image (light object on a dark background)",
+                            type="filepath",
+                            sources=["upload", "clipboard"],
+                            height=280,
+                            elem_id="input-image",
+                        )
+                    with gr.Tab("Draw", id="draw") as draw_tab:
+                        sketch = gr.Sketchpad(
+                            label="Draw dark on light (inverted for the models)",
+                            canvas_size=(280, 280),
+                            type="filepath",
+                            elem_id="sketch",
+                        )
+                invert = gr.Checkbox(
+                    label="Invert: my image shows a dark object on a light background",
+                    value=False,
+                    elem_id="invert",
+                )
+                top_k = gr.Slider(
+                    1,
+                    len(default.class_names),
+                    value=min(3, len(default.class_names)),
+                    step=1,
+                    label="Top-k classes",
+                )
+                run = gr.Button("Classify and sweep", variant="primary", elem_id="run")
+                if samples:
+                    gr.Examples(
+                        examples=[[str(s.path)] for s in samples],
+                        inputs=[image],
+                        label="Real test images (click one, then Classify): "
+                        + ", ".join(_class_name(default, s.label) for s in samples),
+                        examples_per_page=len(samples),
+                    )
+            with gr.Column(scale=3):
+                status = gr.Markdown(elem_id="status")
+                with gr.Row():
+                    labels = [
+                        gr.Label(label=models.display[name], elem_id=f"label-{i}")
+                        for i, (name, _) in enumerate(models)
+                    ]
+                summary = gr.Markdown(elem_id="summary")
+        plot = gr.Plot(label="Stability panel", format="png", elem_id="stability-plot")
+        gallery = gr.Gallery(
+            label="Transformed inputs (each model's top-1 in the caption)",
+            columns=9,
+            height="auto",
+            object_fit="contain",
+            elem_id="sweep-gallery",
+        )
+        upload_tab.select(lambda: "upload", None, source, api_visibility="private")
+        draw_tab.select(lambda: "draw", None, source, api_visibility="private")
+
+        def analyse(picture: Any, drawing: Any, k: float, inverted: bool, tab: str) -> list[Any]:
+            return _analyse(models, spec, picture, drawing, int(k), bool(inverted), tab)
+
+        run.click(
+            analyse,
+            inputs=[image, sketch, top_k, invert, source],
+            outputs=[status, *labels, summary, plot, gallery],
+            preprocess=False,  # uploads are decoded by serve.uploads, with its limits
+            api_name="analyse",
+            concurrency_limit=2,
+        )
+    return demo
+
+
+def _analyse(
+    models: ModelSet,
+    spec: SweepSpec,
+    picture: Any,
+    drawing: Any,
+    top_k: int,
+    invert: bool,
+    tab: str,
+) -> list[Any]:
+    """One UI request: decode, one batch per model, labels, summary, plot, thumbnails."""
+    drawn = tab == "draw"
+    payload = (drawing or {}).get("composite") if drawn else picture
+    path = payload.get("path") if isinstance(payload, dict) else payload
+    if not path:
+        what = "Draw something first" if drawn else "Upload an image or pick a sample first"
+        raise gr.Error(f"{what}.", title="No image")
+    try:
+        pixels = decode_image(read_file(str(path)), invert=invert or drawn)
+    except UploadError as err:
+        raise gr.Error(err.message, title="This file cannot be classified") from err
+    start = time.perf_counter()
+    try:
+        report = measure_stability(
+            [clf for _, clf in models], pixels, spec=spec, names=models.names
+        )
+    except ValueError as err:
+        raise gr.Error(str(err), title="This image cannot be classified") from err
+    seconds = time.perf_counter() - start
+    names = models.display
+    height, width = pixels.shape[:2]
+    channels = "grey" if pixels.ndim == 2 else "colour"
+    status = (
+        f"**Input** {width}x{height} {channels}{' (inverted)' if invert or drawn else ''}, "
+        f"resized for each model; {len(models)} models x {spec.batch_size} images, "
+        f"one batch per model, in {seconds:.2f} s."
+    )
+    label_values = [
+        {clf.class_names[i]: float(m.probabilities[i]) for i in _top(m.probabilities, top_k)}
+        for m, (_, clf) in zip(report.models, models, strict=True)
+    ]
+    return [
+        status,
+        *label_values,
+        _summary(report, names),
+        plot_report(report, display_names=names),
+        thumbnails(report, display_names=names),
+    ]
+
+
+def _top(probabilities: np.ndarray, k: int) -> list[int]:
+    return [int(i) for i in np.argsort(-probabilities, kind="stable")[:k]]
+
+
+def _summary(report: StabilityReport, names: dict[str, str]) -> str:
+    rows = [
+        "| model | prediction | P | rotation | scale | deformation |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m in report.models:
+        kept = [f"{m.sweeps[s].agreement:.0%}" for s in ("rotation", "scale", "deformation")]
+        rows.append(f"| {names[m.model]} | **{m.label}** | {m.score:.2f} | {' | '.join(kept)} |")
+    headline = ", ".join(f"{names[m.model]} **{m.stability:.0%}**" for m in report.models)
+    return (
+        f"**Stability** (share of the 0-360 degree rotation sweep whose top-1 label is "
+        f"unchanged): {headline}\n\n" + "\n".join(rows) + "\n\nColumns rotation / scale / "
+        "deformation: share of each sweep with the unchanged top-1 label."
+    )
+
+
+def _intro(models: ModelSet, spec: SweepSpec) -> str:
+    lines = []
+    for name, clf in models:
+        acc = clf.metadata.get("rstcnn.accuracy")
+        shown = f", test accuracy {_percent(acc)}" if acc is not None else ""
+        size = "x".join(str(v) for v in clf.input_size)
+        lines.append(f"- **{models.display[name]}** (`{name}`, input {size}{shown})")
+    low, high = spec.scale_range
+    return (
+        "# RST-CNN: how stable is the prediction?\n"
+        "Classify an image with each model, then watch the probability of the predicted "
+        f"class as the input is rotated (0-360 degrees, {spec.rotation_steps} steps), "
+        f"rescaled (x{low:g} to x{high:g}, log-spaced; training objects span 0.3-1) and "
+        f"deformed by a smooth random field with |grad tau|_inf from 0 to "
+        f"{spec.max_deformation:g} (the paper's D_tau). The models were trained on light "
+        "objects on a black background (Fashion-MNIST classes); tick *Invert* for dark-on-light "
+        f"pictures. Limits: {MAX_UPLOAD_BYTES / 2**20:g} MiB per file, "
+        f"{MAX_PIXELS / 1e6:g} megapixels. The HTTP API is documented at [/docs](/docs).\n\n"
+        + "\n".join(lines)
+    )
+
+
+def _percent(value: Any) -> str:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return str(value)
+    return f"{number:.1%}" if number <= 1 else f"{number:.1f}%"
+
+
+def _class_name(classifier: Any, index: int) -> str:
+    names = classifier.class_names
+    return names[index] if 0 <= index < len(names) else f"class {index}"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model",
+        action="append",
+        help=f"ONNX model to serve (repeatable; default: {' '.join(DEFAULT_MODELS)})",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--threads", type=int, default=None, help="onnxruntime threads per model")
+    parser.add_argument("--samples-dir", default=None, help="gallery folder (default: data cache)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+    import torch
+    import uvicorn
+
+    torch.set_num_threads(1)  # the sweeps' warps are small; onnxruntime does the heavy work
+    try:
+        app = build_app(args.model, samples_dir=args.samples_dir, threads=args.threads)
+    except (FileNotFoundError, ValueError) as err:
+        parser.exit(2, f"error: {err}\n")
+    log.info("serving on http://%s:%d (API docs at /docs)", args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

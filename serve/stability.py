@@ -1,0 +1,361 @@
+"""Stability sweeps: how a classifier's prediction moves as its input is rotated, rescaled
+and deformed, with the project's own transforms (what the paper measures).
+
+One request builds, per model input size, a batch ``[1 + n_rot + n_scale + n_def, C, H, W]``:
+the prepared image (the model's size, [0, 1]) followed by
+
+- rotation: ``act_on_image`` by 0..360 degrees about the centre (quarter turns are exact
+  pixel permutations, the rest bilinear, zero fill);
+- scale: ``act_on_image`` by log-spaced factors, over the RS training range (0.3 to 1 of
+  the original object) and beyond, relative to the image as given;
+- deformation: ``D_tau x = x(u - tau(u))`` (paper eq. 10) along one seeded smooth random
+  field ``tau`` scaled so that ``|grad tau|_inf`` runs from 0 to 0.2 (assumption A3: < 1/5).
+
+Each model sees its whole batch in one call. Per sweep step it reports the probability of
+the class predicted for the unperturbed image and the top-1 label; a sweep's *agreement* is
+the fraction of its steps whose top-1 label equals the unperturbed one, and the model's
+stability number is the rotation agreement.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import matplotlib
+import numpy as np
+import torch
+from matplotlib.figure import Figure
+from PIL import Image
+
+from rstmodel.data.transforms import jacobian_sup_norm, random_displacement, warp
+from rstmodel.group import RSTElement, act_on_image
+
+__all__ = [
+    "SweepSpec",
+    "Sweep",
+    "SweepResult",
+    "ModelStability",
+    "StabilityReport",
+    "build_sweeps",
+    "probabilities",
+    "measure_stability",
+    "plot_report",
+    "thumbnails",
+    "TRAIN_SCALE_RANGE",
+]
+
+SWEEP_NAMES = ("rotation", "scale", "deformation")
+TRAIN_SCALE_RANGE = (0.3, 1.0)  # RS-MNIST / RS-Fashion object scales (paper Section 5.1)
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """What the stability panel sweeps over."""
+
+    rotation_steps: int = 36  # angles 0, 360/n, ... degrees
+    scale_range: tuple[float, float] = (0.2, 1.5)  # factors, log-spaced
+    scale_steps: int = 14
+    max_deformation: float = 0.2  # largest |grad tau|_inf
+    deformation_steps: int = 11  # 0 .. max_deformation, evenly spaced
+    seed: int = 0  # of the deformation field
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "scale_range", tuple(float(v) for v in self.scale_range))
+        for name in ("rotation_steps", "scale_steps", "deformation_steps"):
+            steps = getattr(self, name)
+            if not 2 <= steps <= 180:
+                raise ValueError(f"{name} must lie in 2..180, got {steps}")
+        low, high = self.scale_range
+        if not 0 < low < high <= 4:
+            raise ValueError(
+                f"scale_range must be (low, high) with 0 < low < high <= 4, got {self.scale_range}"
+            )
+        if not 0 < self.max_deformation < 1:
+            raise ValueError(f"max_deformation must lie in (0, 1), got {self.max_deformation}")
+
+    def values(self) -> dict[str, np.ndarray]:
+        """Sweep name -> parameter values (degrees, scale factors, |grad tau|_inf)."""
+        return {
+            "rotation": np.arange(self.rotation_steps) * (360.0 / self.rotation_steps),
+            "scale": np.geomspace(*self.scale_range, self.scale_steps),
+            "deformation": np.linspace(0.0, self.max_deformation, self.deformation_steps),
+        }
+
+    @property
+    def batch_size(self) -> int:
+        """Images per model per request: the unperturbed one and every sweep step."""
+        return 1 + self.rotation_steps + self.scale_steps + self.deformation_steps
+
+
+UNITS = {"rotation": "degrees", "scale": "factor", "deformation": "|grad tau|_inf"}
+
+
+@dataclass(frozen=True, eq=False)
+class Sweep:
+    """One transform swept over ``values``; images float32 ``[n, C, H, W]`` in [0, 1]."""
+
+    name: str
+    values: np.ndarray
+    images: np.ndarray
+
+    @property
+    def unit(self) -> str:
+        return UNITS[self.name]
+
+
+def build_sweeps(image: np.ndarray, spec: SweepSpec) -> list[Sweep]:
+    """The rotation, scale and deformation sweeps of one prepared image ``[C, H, W]``."""
+    if image.ndim != 3:
+        raise ValueError(f"expected a prepared image [C, H, W], got shape {image.shape}")
+    x = torch.from_numpy(np.ascontiguousarray(image, dtype=np.float32))  # [C, H, W]
+    values = spec.values()
+    rotated = [act_on_image(x, RSTElement(angle=math.radians(deg))) for deg in values["rotation"]]
+    scaled = [act_on_image(x, RSTElement(log2_scale=math.log2(s))) for s in values["scale"]]
+    height, width = x.shape[-2:]
+    gen = torch.Generator().manual_seed(spec.seed)
+    field_ = random_displacement(1, height, width, generator=gen)  # [1, 2, H, W]
+    unit = field_ / jacobian_sup_norm(field_)[:, None, None, None]  # |grad tau|_inf = 1
+    norms = torch.from_numpy(values["deformation"])[:, None, None, None]  # [n, 1, 1, 1]
+    batch = x[None].expand(len(norms), *x.shape).double()  # [n, C, H, W]
+    deformed = warp(batch, norms * unit).float()
+    stacks = {
+        "rotation": torch.stack(rotated),
+        "scale": torch.stack(scaled),
+        "deformation": deformed,
+    }
+    return [
+        Sweep(name, values[name], stacks[name].clamp(0, 1).numpy().astype(np.float32))
+        for name in SWEEP_NAMES
+    ]
+
+
+def probabilities(classifier: Any, batch: np.ndarray) -> np.ndarray:
+    """Softmax over one ``run_logits`` call. batch float32 ``[N, C, H, W]`` in [0, 1]
+    -> ``[N, classes]``."""
+    logits = np.asarray(classifier.run_logits(classifier.normalize(batch)), dtype=np.float64)
+    logits -= logits.max(axis=1, keepdims=True)
+    weights = np.exp(logits)
+    return weights / weights.sum(axis=1, keepdims=True)
+
+
+@dataclass(frozen=True, eq=False)
+class SweepResult:
+    """One model on one sweep: P(unperturbed top-1 class) and top-1 per step."""
+
+    name: str
+    values: np.ndarray
+    probability: np.ndarray  # [n]
+    top1: list[str]
+    agreement: float  # fraction of steps whose top-1 is the unperturbed one
+
+    @property
+    def unit(self) -> str:
+        return UNITS[self.name]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "unit": self.unit,
+            "values": [round(float(v), 6) for v in self.values],
+            "probability": [round(float(p), 6) for p in self.probability],
+            "top1": list(self.top1),
+            "agreement": round(self.agreement, 6),
+        }
+
+
+@dataclass(frozen=True, eq=False)
+class ModelStability:
+    """One model's prediction on the unperturbed image and its sweeps."""
+
+    model: str
+    label: str
+    index: int
+    score: float
+    probabilities: np.ndarray  # [classes], of the unperturbed image
+    sweeps: dict[str, SweepResult]
+
+    @property
+    def stability(self) -> float:
+        """The single number: fraction of the rotation sweep with an unchanged top-1."""
+        return self.sweeps["rotation"].agreement
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "label": self.label,
+            "index": self.index,
+            "score": round(self.score, 6),
+            "stability": round(self.stability, 6),
+            "sweeps": {name: result.to_dict() for name, result in self.sweeps.items()},
+        }
+
+
+@dataclass(frozen=True, eq=False)
+class StabilityReport:
+    """All models on one image; ``sweeps`` holds the inputs of the first model's size."""
+
+    spec: SweepSpec
+    models: list[ModelStability]
+    sweeps: list[Sweep] = field(repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stability_definition": "fraction of the rotation sweep whose top-1 label equals "
+            "the unperturbed top-1 label",
+            "batch_size": self.spec.batch_size,
+            "deformation_seed": self.spec.seed,
+            "models": [m.to_dict() for m in self.models],
+        }
+
+
+def measure_stability(
+    classifiers: Sequence[Any],
+    image: Any,
+    *,
+    spec: SweepSpec | None = None,
+    names: Sequence[str] | None = None,
+) -> StabilityReport:
+    """Sweep ``image`` (anything ``Classifier.prepare`` accepts) through every classifier.
+    Each classifier runs once, on the unperturbed image and all sweep steps as one batch.
+    ``names``: what the report calls each model (default: ``classifier.name``)."""
+    spec = spec or SweepSpec()
+    if not classifiers:
+        raise ValueError("need at least one classifier")
+    names = list(names) if names is not None else [clf.name for clf in classifiers]
+    built: list[tuple[np.ndarray, list[Sweep]]] = []  # models of one input size share sweeps
+    results: list[ModelStability] = []
+    for clf, name in zip(classifiers, names, strict=True):
+        prepared = np.asarray(clf.prepare(image), dtype=np.float32)[0]  # [C, H, W]
+        sweeps = next(
+            (s for p, s in built if p.shape == prepared.shape and (p == prepared).all()), None
+        )
+        if sweeps is None:
+            sweeps = build_sweeps(prepared, spec)
+            built.append((prepared, sweeps))
+        # one batch per model: the unperturbed image first, then every sweep step
+        batch = np.concatenate([prepared[None]] + [s.images for s in sweeps])
+        probs = probabilities(clf, batch)  # [1 + steps, classes]
+        results.append(_summarise(name, clf.class_names, probs, sweeps))
+    return StabilityReport(spec, results, built[0][1])
+
+
+def _summarise(
+    model: str, class_names: Sequence[str], probs: np.ndarray, sweeps: list[Sweep]
+) -> ModelStability:
+    names = list(class_names)
+    index = int(probs[0].argmax())
+    top = probs.argmax(axis=1)
+    out: dict[str, SweepResult] = {}
+    start = 1
+    for sweep in sweeps:
+        stop = start + len(sweep.values)
+        top1 = top[start:stop]
+        out[sweep.name] = SweepResult(
+            sweep.name,
+            sweep.values,
+            probs[start:stop, index],
+            [names[i] for i in top1],
+            float(np.mean(top1 == index)),
+        )
+        start = stop
+    return ModelStability(model, names[index], index, float(probs[0, index]), probs[0], out)
+
+
+_TITLES = {
+    "rotation": ("Rotation", "angle (degrees)"),
+    "scale": ("Scale", "scale factor (log axis)"),
+    "deformation": ("Deformation $D_\\tau$", "$|\\nabla\\tau|_\\infty$"),
+}
+
+
+def plot_report(report: StabilityReport, *, display_names: dict[str, str] | None = None) -> Figure:
+    """Probability of the unperturbed prediction along each sweep, one line per model;
+    crosses mark steps whose top-1 label changed. A ``Figure`` without pyplot (PNG by Agg)."""
+    names = display_names or {}
+    fig = Figure(figsize=(13, 3.9), layout="constrained")
+    axes = fig.subplots(1, len(SWEEP_NAMES), sharey=True)
+    colours = matplotlib.colormaps["tab10"].colors
+    for ax, sweep_name in zip(axes, SWEEP_NAMES, strict=True):
+        title, xlabel = _TITLES[sweep_name]
+        for k, model in enumerate(report.models):
+            result = model.sweeps[sweep_name]
+            colour = colours[k % len(colours)]
+            shown = names.get(model.model, model.model)
+            ax.plot(
+                result.values,
+                result.probability,
+                "-o",
+                color=colour,
+                markersize=3,
+                label=f"{shown}: '{model.label}', top-1 kept {result.agreement:.0%}",
+            )
+            flipped = np.array([label != model.label for label in result.top1])
+            if flipped.any():
+                ax.plot(
+                    result.values[flipped],
+                    result.probability[flipped],
+                    "x",
+                    color=colour,
+                    markersize=7,
+                    markeredgewidth=1.5,
+                )
+        if sweep_name == "scale":
+            ax.set_xscale("log")
+            ax.axvspan(*TRAIN_SCALE_RANGE, color="0.9", zorder=0, label="training scales 0.3-1")
+            ticks = [t for t in (0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0, 3.0) if _within(t, result)]
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+            ax.minorticks_off()
+        if sweep_name == "rotation":
+            ax.set_xticks(np.arange(0, 361, 90))
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
+    axes[0].set_ylabel("P(unperturbed top-1 class)")
+    fig.suptitle("Prediction stability (x: top-1 label changed)")
+    return fig
+
+
+def _within(value: float, result: SweepResult) -> bool:
+    return result.values.min() * 0.999 <= value <= result.values.max() * 1.001
+
+
+def thumbnails(
+    report: StabilityReport,
+    *,
+    per_sweep: int = 6,
+    display_names: dict[str, str] | None = None,
+    zoom: int = 2,
+) -> list[tuple[Image.Image, str]]:
+    """Evenly picked transformed inputs of each sweep, captioned with the step and every
+    model's top-1 label. -> [(grey or RGB PIL image, caption)]."""
+    names = display_names or {}
+    out: list[tuple[Image.Image, str]] = []
+    for sweep in report.sweeps:
+        picks = np.unique(np.linspace(0, len(sweep.values) - 1, per_sweep).round().astype(int))
+        for i in picks:
+            picture = _to_pil(sweep.images[i], zoom)
+            labels = ", ".join(
+                f"{names.get(m.model, m.model)}: {m.sweeps[sweep.name].top1[i]}"
+                for m in report.models
+            )
+            out.append((picture, f"{_step(sweep.name, sweep.values[i])} | {labels}"))
+    return out
+
+
+def _step(name: str, value: float) -> str:
+    if name == "rotation":
+        return f"rotated {value:.0f} deg"
+    if name == "scale":
+        return f"scaled x{value:.2f}"
+    return f"deformed {value:.2f}"
+
+
+def _to_pil(image: np.ndarray, zoom: int) -> Image.Image:
+    """[C, H, W] in [0, 1] -> a grey (C = 1) or RGB picture, enlarged ``zoom`` times."""
+    pixels = np.clip(np.rint(image * 255), 0, 255).astype(np.uint8)
+    picture = Image.fromarray(pixels[0] if pixels.shape[0] == 1 else pixels.transpose(1, 2, 0))
+    return picture.resize((picture.width * zoom, picture.height * zoom), Image.NEAREST)
