@@ -1,0 +1,191 @@
+"""The paper's experiments: equivariance error (eq. 14), deformation stability (Theorem 1),
+the accuracy-table driver and the out-of-distribution experiment, each at a smoke budget."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from rstmodel import RSTElement, act_on_features, create_model, save_checkpoint
+from train import equivariance, stability
+from train.experiments import parse_element, stages_of, synthetic_images
+
+QUARTER = RSTElement(math.pi / 2, 0.0)
+
+
+def small_stack(**fields) -> equivariance.StackConfig:
+    base = dict(num_funcs=5, num_scales=5, channels=2, layers=3, rotation_taps=4, scale_taps=2)
+    return equivariance.StackConfig(**{**base, **fields})
+
+
+@pytest.fixture
+def images() -> torch.Tensor:
+    return synthetic_images(2, 32, seed=3).double()
+
+
+def test_parse_element():
+    g = parse_element("-pi/2, -0.5, 1, 2")
+    assert g == RSTElement(-math.pi / 2, -0.5, (1.0, 2.0))
+    assert parse_element("pi,0") == RSTElement(math.pi, 0.0)
+    with pytest.raises(ValueError, match="group element"):
+        parse_element("__import__('os'),0")
+
+
+def test_quarter_turn_is_exact_and_a_wrong_shift_is_not(images):
+    stages = equivariance.random_stack(small_stack(), seed=0, input_size=32).double()
+    mid = small_stack().zero_index
+    errors = equivariance.equivariance_errors(stages, images, QUARTER, scale_index=mid)
+    assert errors.shape == (3, 2)
+    assert errors.max() < 1e-11
+
+    def wrong(x, g, step):  # one rotation index too far
+        return torch.roll(act_on_features(x, g, scale_step=step), 1, dims=2)
+
+    bad = equivariance.equivariance_errors(
+        stages, images, QUARTER, scale_index=mid, feature_action=wrong
+    )
+    assert bad.min() > 0.05
+
+
+def test_quarter_turn_float32_round_off(images):
+    stages = equivariance.random_stack(small_stack(), seed=1, input_size=32)
+    errors = equivariance.equivariance_errors(stages, images.float(), QUARTER, scale_index=2)
+    assert errors.max() < 1e-5
+
+
+def test_scale_shift_direction(images):
+    """A downscaled input must match the features one scale step up (beta = -step): the
+    lifting layer is then close to equivariant, and much closer than with the opposite shift."""
+    config = small_stack(num_funcs=3, scale_taps=1)
+    stages = equivariance.random_stack(config, seed=0, input_size=32).double()
+    g = RSTElement(-math.pi / 2, -config.scale_step)
+    right = equivariance.equivariance_errors(stages, images, g, scale_index=config.zero_index)
+
+    def opposite(x, h, step):
+        return act_on_features(x, RSTElement(h.angle, -h.log2_scale), scale_step=step)
+
+    wrong = equivariance.equivariance_errors(
+        stages, images, g, scale_index=config.zero_index, feature_action=opposite
+    )
+    assert 1e-4 < right[0].max() < 0.2
+    assert wrong[0].min() > 3 * right[0].max()
+
+
+@pytest.fixture
+def checkpoint(tmp_path) -> Path:
+    """A tiny RST-CNN(FB) with non-trivial batch-norm statistics, saved like train/run.py."""
+    torch.manual_seed(0)
+    model = create_model("rst_cnn_fb", channels=(3, 4, 5), hidden=8)
+    with torch.no_grad():
+        model.train()
+        for _ in range(2):
+            model(torch.randn(4, 1, 56, 56))
+    path = tmp_path / "tiny.pt"
+    save_checkpoint(
+        path,
+        model.eval(),
+        model_name="rst_cnn_fb",
+        class_names=[str(i) for i in range(10)],
+        input_size=56,
+        in_channels=1,
+        normalization=([0.2], [0.3]),
+        extra={"run": {"data": "synthetic"}},
+    )
+    return path
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(encoding="utf-8") as handle:
+        return list(csv.DictReader(handle))
+
+
+def test_equivariance_cli_on_a_checkpoint_is_exact_for_quarter_turns(tmp_path, checkpoint):
+    out = tmp_path / "eq"
+    args = ["--checkpoint", str(checkpoint), "--data", "synthetic", "--images", "2"]
+    args += ["--element", "pi/2,0,0,0", "--dtype", "float64", "--out", str(out)]
+    assert equivariance.main(args) == 0
+    rows = read_csv(out / "equivariance.csv")
+    assert [int(r["layer"]) for r in rows] == [1, 2, 3]
+    assert max(float(r["mean"]) for r in rows) < 1e-10  # biases and BN shifts included
+    assert (out / "equivariance.png").stat().st_size > 1000
+    assert "layer 3" in (out / "equivariance.md").read_text()
+
+
+def test_equivariance_cli_smoke(tmp_path):
+    out = tmp_path / "eq"
+    args = ["--budget", "smoke", "--data", "synthetic", "--num-funcs", "5", "--layers", "2"]
+    assert equivariance.main([*args, "--scale-taps", "1", "2", "--out", str(out)]) == 0
+    rows = read_csv(out / "equivariance.csv")
+    assert {(r["L_alpha"], r["layer"]) for r in rows} == {
+        ("1", "1"),
+        ("1", "2"),
+        ("2", "1"),
+        ("2", "2"),
+    }
+    assert all(0 < float(r["mean"]) < 1 for r in rows)
+
+
+def test_norms():
+    x = torch.ones(1, 2, 4, 4)
+    assert stability.input_norm(x).item() == pytest.approx(4.0)
+    feats = torch.zeros(1, 1, 2, 3, 2, 2)
+    feats[:, :, :, 1] = 1.0  # one scale carries it all: the sup picks it
+    # 2x2 map of a 4x4 input: each map pixel is 4 input pixels
+    assert stability.feature_norm(feats, 4).item() == pytest.approx(4.0)
+    assert stability.feature_norm(feats, 4, slice(2, None)).item() == 0.0
+
+
+def test_filter_bounds_follow_the_coefficients():
+    model = create_model("rst_cnn_fb", channels=(2, 3, 4), hidden=8).eval()
+    base = stability.filter_bounds(model)
+    assert len(base) == 3 and all(a > 0 for a in base)
+    with torch.no_grad():
+        model.blocks[1][0].weight.mul_(2)
+    doubled = stability.filter_bounds(model)
+    assert doubled[1] == pytest.approx(2 * base[1])
+    assert doubled[0] == pytest.approx(base[0]) and doubled[2] == pytest.approx(base[2])
+    # one coefficient on the lowest mode, one channel in and out: pi * rho_0 * sqrt(mu_1) |a|
+    lift = create_model("rst_cnn_fb", channels=(1, 1, 1), hidden=8).eval()
+    with torch.no_grad():
+        for block in lift.blocks:
+            block[0].weight.zero_()
+        lift.blocks[0][0].weight[0, 0, 0] = 0.5
+    mu = lift.spec.eigenvalues()[0]
+    expected = math.pi * lift.spec.scales[0] * math.sqrt(mu) * 0.5
+    assert stability.filter_bounds(lift)[0] == pytest.approx(expected, rel=1e-3)  # BN eps
+
+
+def test_stability_errors_vanish_without_deformation(checkpoint):
+    from train.experiments import load_stages
+
+    stages, _, _ = load_stages(checkpoint)
+    stages = stages.double()
+    images = synthetic_images(2, 56).double()
+    gen = torch.Generator().manual_seed(0)
+    exact = stability.stability_errors(stages, images, QUARTER, 0.0, gen)
+    assert exact["relative"].max() < 1e-10
+    deformed = stability.stability_errors(stages, images, QUARTER, 0.2, gen)
+    assert deformed["relative"].min() > 1e-3
+    assert deformed["grad_tau"].numpy() == pytest.approx([0.2, 0.2])
+
+
+def test_stability_cli_smoke(tmp_path, checkpoint):
+    out = tmp_path / "stab"
+    assert stability.main([str(checkpoint), "--budget", "smoke", "--out", str(out)]) == 0
+    rows = read_csv(out / "stability.csv")
+    models = {r["model"] for r in rows}
+    assert "random, K=3" in models and any("trained" in m for m in models)
+    bounds = json.loads((out / "stability_bounds.json").read_text())
+    assert len(bounds["A"]) == 3 and bounds["radius"] == pytest.approx(10.0)
+    assert (out / "stability.png").stat().st_size > 1000
+    assert "A2" in (out / "stability.md").read_text()
+
+
+def test_stages_refuse_a_plain_cnn():
+    with pytest.raises(ValueError, match="RST-CNN"):
+        stages_of(create_model("cnn"), None)
