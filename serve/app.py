@@ -153,8 +153,7 @@ def build_ui(models: ModelSet, samples: Sequence[Sample], *, spec: SweepSpec) ->
                     gr.Examples(
                         examples=[[str(s.path)] for s in samples],
                         inputs=[image],
-                        label="Real test images (click one, then Classify): "
-                        + ", ".join(_class_name(default, s.label) for s in samples),
+                        label=f"Real test images ({samples[0].source}): click one, then Classify",
                         examples_per_page=len(samples),
                     )
             with gr.Column(scale=3):
@@ -167,8 +166,9 @@ def build_ui(models: ModelSet, samples: Sequence[Sample], *, spec: SweepSpec) ->
                 summary = gr.Markdown(elem_id="summary")
         plot = gr.Plot(label="Stability panel", format="png", elem_id="stability-plot")
         gallery = gr.Gallery(
-            label="Transformed inputs (each model's top-1 in the caption)",
-            columns=9,
+            label="Transformed inputs; captions: top-1 of "
+            + " | ".join(models.display[name] for name in models.names),
+            columns=6,  # one row per sweep
             height="auto",
             object_fit="contain",
             elem_id="sweep-gallery",
@@ -235,7 +235,7 @@ def _analyse(
         *label_values,
         _summary(report, names),
         plot_report(report, display_names=names),
-        thumbnails(report, display_names=names),
+        thumbnails(report),
     ]
 
 
@@ -287,11 +287,6 @@ def _percent(value: Any) -> str:
     except (TypeError, ValueError):
         return str(value)
     return f"{number:.1%}" if number <= 1 else f"{number:.1f}%"
-
-
-def _class_name(classifier: Any, index: int) -> str:
-    names = classifier.class_names
-    return names[index] if 0 <= index < len(names) else f"class {index}"
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -324,34 +324,28 @@ def _within(value: float, result: SweepResult) -> bool:
 
 
 def thumbnails(
-    report: StabilityReport,
-    *,
-    per_sweep: int = 6,
-    display_names: dict[str, str] | None = None,
-    zoom: int = 2,
+    report: StabilityReport, *, per_sweep: int = 6, zoom: int = 2
 ) -> list[tuple[Image.Image, str]]:
-    """Evenly picked transformed inputs of each sweep, captioned with the step and every
-    model's top-1 label. -> [(grey or RGB PIL image, caption)]."""
-    names = display_names or {}
+    """Evenly picked transformed inputs of each sweep, captioned with the step and the
+    models' top-1 labels in report order (``rot 90°: Coat | Shirt``).
+    -> [(grey or RGB PIL image, caption)]."""
     out: list[tuple[Image.Image, str]] = []
     for sweep in report.sweeps:
         picks = np.unique(np.linspace(0, len(sweep.values) - 1, per_sweep).round().astype(int))
         for i in picks:
-            picture = _to_pil(sweep.images[i], zoom)
-            labels = ", ".join(
-                f"{names.get(m.model, m.model)}: {m.sweeps[sweep.name].top1[i]}"
-                for m in report.models
+            labels = " | ".join(m.sweeps[sweep.name].top1[i] for m in report.models)
+            out.append(
+                (_to_pil(sweep.images[i], zoom), f"{_step(sweep.name, sweep.values[i])}: {labels}")
             )
-            out.append((picture, f"{_step(sweep.name, sweep.values[i])} | {labels}"))
     return out
 
 
 def _step(name: str, value: float) -> str:
     if name == "rotation":
-        return f"rotated {value:.0f} deg"
+        return f"rot {value:.0f}\N{DEGREE SIGN}"
     if name == "scale":
-        return f"scaled x{value:.2f}"
-    return f"deformed {value:.2f}"
+        return f"x{value:.2f}"
+    return f"def {value:.2f}"
 
 
 def _to_pil(image: np.ndarray, zoom: int) -> Image.Image:
