@@ -1,0 +1,410 @@
+"""Inference on exported models: onnxruntime (or TensorRT), numpy and Pillow, no torch.
+
+``Classifier.from_onnx(path)`` reads the model and its ``rstcnn.*`` metadata (written by
+``export/to_onnx.py``): class names, input size ``[C, H, W]`` and normalisation, so one
+client serves every exported model. Images go through
+
+    prepare    any accepted image(s) -> float32 [N, C, H, W] in [0, 1] at the model's size
+    normalize  (x - mean) / std, per channel
+    run_logits one backend call per chunk of ``MAX_BATCH`` images -> [N, classes]
+
+and ``predict_proba`` (softmax) / ``predict`` (top-k ``Prediction`` lists) chain them.
+
+Accepted images, alone or in a list (one list may mix them, and sizes may differ):
+PIL images of any mode (1, L, P, RGB, RGBA, LA, CMYK, 16-bit grey, ...), file paths
+(``str`` / ``Path``), and arrays ``H x W``, ``H x W x 1``, ``H x W x 3``, ``H x W x 4``
+that are uint8 (0..255), uint16 (0..65535) or float in [0, 1]; a 4-D array is a batch of
+``H x W x C`` images. Conversions: grey <-> RGB (ITU-R 601 luma), transparency composited
+on black (the data sets' background), the short side padded with black to a square (the
+aspect ratio is kept), then a bicubic resize to the model's size. Anything else (an empty
+batch, an unreadable or non-image file, more than ``MAX_PIXELS`` pixels, NaN or inf, other
+shapes or dtypes) raises ``ValueError`` with a message, before the model runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+__all__ = ["MAX_PIXELS", "MAX_BATCH", "MAX_MODEL_BYTES", "Classifier", "Prediction"]
+
+log = logging.getLogger(__name__)
+
+MAX_PIXELS = 40_000_000  # per image: larger ones are refused before their pixels are decoded
+MAX_BATCH = 256  # images per backend call; larger batches are run in chunks
+MAX_MODEL_BYTES = 1 << 30  # an ONNX file larger than this is refused unread
+
+_PREFIX = "rstcnn."
+_JSON_KEYS = ("class_names", "input_size", "normalization", "group", "accuracy")
+_GREY_16 = ("I;16", "I;16L", "I;16B", "I;16N")
+_LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)  # ITU-R 601-2, as PIL's "L"
+_GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One class of one image: its label, index into ``class_names`` and probability."""
+
+    label: str
+    index: int
+    score: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"label": self.label, "index": self.index, "score": self.score}
+
+
+def _decode_metadata(props: dict[str, str]) -> dict[str, Any]:
+    """``rstcnn.*`` metadata, JSON values decoded; refuses a model without it."""
+    out: dict[str, Any] = dict(props)
+    for key in _JSON_KEYS:
+        name = _PREFIX + key
+        if name in out:
+            try:
+                out[name] = json.loads(out[name])
+            except json.JSONDecodeError as err:
+                raise ValueError(f"metadata {name} is not valid JSON: {err}") from None
+    missing = [
+        _PREFIX + k
+        for k in ("class_names", "input_size", "normalization")
+        if _PREFIX + k not in out
+    ]
+    if missing:
+        raise ValueError(
+            f"not an rstcnn model: no {', '.join(missing)} metadata (export it with "
+            "`python export/to_onnx.py CHECKPOINT`)"
+        )
+    return out
+
+
+class Classifier:
+    """An exported rstcnn model and its preprocessing.
+
+    Attributes: ``name`` (model name), ``class_names``, ``input_size`` (C, H, W),
+    ``normalization`` ({"mean", "std"}, per channel, on [0, 1] inputs), ``metadata`` (all
+    of the model's metadata, JSON decoded) and ``providers`` (the backends actually used).
+    """
+
+    def __init__(
+        self,
+        run: Callable[[np.ndarray], np.ndarray],
+        metadata: dict[str, str],
+        providers: Sequence[str],
+    ):
+        self.metadata = _decode_metadata(metadata)
+        self.name = str(self.metadata.get(_PREFIX + "model", "model"))
+        self.class_names = [str(c) for c in self.metadata[_PREFIX + "class_names"]]
+        size = self.metadata[_PREFIX + "input_size"]
+        norm = self.metadata[_PREFIX + "normalization"]
+        if len(size) != 3 or size[0] not in (1, 3) or min(size) < 1:
+            raise ValueError(f"metadata input_size must be [C, H, W] with C 1 or 3, got {size}")
+        self.input_size = tuple(int(v) for v in size)
+        self.normalization = {"mean": list(norm["mean"]), "std": list(norm["std"])}
+        channels = self.input_size[0]
+        self._mean = np.asarray(norm["mean"], dtype=np.float32).reshape(1, -1, 1, 1)
+        self._std = np.asarray(norm["std"], dtype=np.float32).reshape(1, -1, 1, 1)
+        if self._mean.size != channels or self._std.size != channels or (self._std <= 0).any():
+            raise ValueError(f"metadata normalization needs {channels} means and positive stds")
+        self.providers = list(providers)
+        self._run = run
+
+    def __repr__(self) -> str:
+        return (
+            f"Classifier({self.name!r}, {len(self.class_names)} classes, "
+            f"input {'x'.join(map(str, self.input_size))}, providers={self.providers})"
+        )
+
+    # ------------------------------------------------------------ construction
+
+    @classmethod
+    def from_onnx(
+        cls,
+        path: str | Path,
+        providers: Sequence[str] | None = None,
+        threads: int | None = None,
+    ) -> Classifier:
+        """Load an ONNX file written by ``export/to_onnx.py``.
+
+        ``providers``: onnxruntime execution providers in order of preference; by default
+        CUDA when this onnxruntime has it (the ``gpu`` extra), then the CPU. A requested
+        GPU provider that onnxruntime could not start is logged as a warning (it falls
+        back to the CPU silently). ``threads``: intra-op threads (default: onnxruntime's).
+        """
+        import onnxruntime as ort
+
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"no ONNX model at {path}")
+        if path.stat().st_size > MAX_MODEL_BYTES:
+            raise ValueError(f"{path} is larger than {MAX_MODEL_BYTES >> 20} MiB: not loaded")
+        available = ort.get_available_providers()
+        if providers is None:
+            providers = [p for p in ("CUDAExecutionProvider",) if p in available]
+            providers.append("CPUExecutionProvider")
+        options = ort.SessionOptions()
+        if threads is not None:
+            if threads < 1:
+                raise ValueError(f"threads must be >= 1, got {threads}")
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+        try:
+            session = ort.InferenceSession(str(path), options, providers=list(providers))
+        except Exception as err:  # onnxruntime raises its own exception types
+            raise ValueError(f"{path} is not a loadable ONNX model: {err}") from None
+        used = session.get_providers()
+        lost = [p for p in providers if p in _GPU_PROVIDERS and p not in used]
+        if lost:
+            log.warning(
+                "%s: %s requested but not usable (no GPU, or its libraries are missing); "
+                "onnxruntime runs on %s",
+                path.name,
+                ", ".join(lost),
+                ", ".join(used),
+            )
+        props = session.get_modelmeta().custom_metadata_map
+        inputs, outputs = session.get_inputs(), session.get_outputs()
+        if len(inputs) != 1 or len(outputs) != 1:
+            raise ValueError(f"{path}: expected one input and one output")
+        input_name, output_name = inputs[0].name, outputs[0].name
+
+        def run(batch: np.ndarray) -> np.ndarray:
+            return session.run([output_name], {input_name: batch})[0]
+
+        return cls(run, props, used)
+
+    @classmethod
+    def from_tensorrt(cls, plan: str | Path) -> Classifier:
+        """Load a TensorRT engine written by ``export/to_tensorrt.py`` (metadata from the
+        ``.json`` beside it). Needs TensorRT, a CUDA GPU and torch (for device buffers)."""
+        from .tensorrt_backend import load_engine
+
+        run, metadata = load_engine(plan)
+        return cls(run, metadata, ["TensorRT"])
+
+    # ------------------------------------------------------------ pipeline
+
+    def prepare(self, images: Any) -> np.ndarray:
+        """Image(s) -> float32 ``[N, C, H, W]`` in [0, 1] at the model's size."""
+        items = _as_list(images)
+        channels, height, width = self.input_size
+        out = np.empty((len(items), channels, height, width), dtype=np.float32)
+        for i, item in enumerate(items):
+            try:
+                out[i] = _prepare_one(item, channels, height, width)
+            except ValueError as err:
+                if len(items) == 1:
+                    raise
+                raise ValueError(f"image {i}: {err}") from None
+        return out
+
+    def normalize(self, batch: np.ndarray) -> np.ndarray:
+        """``(x - mean) / std`` per channel. float32 ``[N, C, H, W]`` in [0, 1] -> same."""
+        batch = self._check_batch(batch)
+        return ((batch - self._mean) / self._std).astype(np.float32, copy=False)
+
+    def run_logits(self, batch: np.ndarray) -> np.ndarray:
+        """Logits ``[N, classes]`` of an already normalised float32 ``[N, C, H, W]``."""
+        batch = self._check_batch(batch)
+        parts = [
+            np.asarray(self._run(np.ascontiguousarray(batch[i : i + MAX_BATCH])))
+            for i in range(0, batch.shape[0], MAX_BATCH)
+        ]
+        return np.concatenate(parts).astype(np.float32, copy=False)
+
+    def predict_proba(self, images: Any) -> np.ndarray:
+        """Class probabilities (softmax), float32 ``[N, classes]``."""
+        logits = self.run_logits(self.normalize(self.prepare(images))).astype(np.float64)
+        logits -= logits.max(axis=1, keepdims=True)
+        p = np.exp(logits)
+        return (p / p.sum(axis=1, keepdims=True)).astype(np.float32)
+
+    def predict(self, images: Any, top_k: int = 5) -> list[list[Prediction]]:
+        """The ``top_k`` most probable classes of each image, most probable first."""
+        if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
+            raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
+        probs = self.predict_proba(images)
+        k = min(int(top_k), probs.shape[1])
+        order = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+        return [
+            [Prediction(self.class_names[j], int(j), float(row[j])) for j in idx]
+            for row, idx in zip(probs, order, strict=True)
+        ]
+
+    def _check_batch(self, batch: Any) -> np.ndarray:
+        if not isinstance(batch, np.ndarray):
+            raise ValueError(f"expected a numpy array [N, C, H, W], got {type(batch).__name__}")
+        if batch.dtype.kind != "f":
+            raise ValueError(f"expected a float array, got {batch.dtype}")
+        shape = tuple(self.input_size)
+        if batch.ndim != 4 or batch.shape[1:] != shape:
+            raise ValueError(
+                f"expected a batch [N, {', '.join(map(str, shape))}], got shape {batch.shape}"
+            )
+        if batch.shape[0] == 0:
+            raise ValueError("empty batch: give at least one image")
+        batch = batch.astype(np.float32, copy=False)
+        if not np.isfinite(batch).all():
+            raise ValueError("the batch holds NaN or infinite values")
+        return batch
+
+
+# ---------------------------------------------------------------- image handling
+
+
+def _as_list(images: Any) -> list[Any]:
+    if isinstance(images, np.ndarray) and images.ndim == 4:
+        items: list[Any] = list(images)
+    elif isinstance(images, (list, tuple)):
+        items = list(images)
+    else:
+        items = [images]
+    if not items:
+        raise ValueError("empty batch: give at least one image")
+    return items
+
+
+def _prepare_one(item: Any, channels: int, height: int, width: int) -> np.ndarray:
+    """One image -> float32 ``[C, H, W]`` in [0, 1]."""
+    if isinstance(item, (str, os.PathLike)):
+        pixels = _pil_pixels(_open(Path(item)))
+    elif isinstance(item, Image.Image):
+        _check_size(*item.size)
+        pixels = _pil_pixels(item)
+    elif isinstance(item, np.ndarray):
+        pixels = _array_pixels(item)
+    else:
+        raise ValueError(
+            f"unsupported image type {type(item).__name__}: give a PIL image, a file path "
+            "or a numpy array"
+        )
+    return _fit(_to_channels(pixels, channels), height, width)
+
+
+def _check_size(width: int, height: int) -> None:
+    if width < 1 or height < 1:
+        raise ValueError(f"the image has no pixels ({width}x{height})")
+    if width * height > MAX_PIXELS:
+        raise ValueError(
+            f"the image has {width}x{height} = {width * height / 1e6:.1f} megapixels, over "
+            f"the {MAX_PIXELS / 1e6:g} megapixel limit (serve.MAX_PIXELS): downscale it"
+        )
+
+
+def _open(path: Path) -> Image.Image:
+    """Open, bound the size from the header, verify, reopen and decode an image file."""
+    if not path.is_file():
+        raise ValueError(f"cannot read {path}: no such file")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as probe:
+                _check_size(*probe.size)
+                probe.verify()
+            image = Image.open(path)
+            image.seek(0)
+            image.load()
+    except ValueError:
+        raise
+    except (
+        UnidentifiedImageError,
+        OSError,
+        SyntaxError,
+        EOFError,
+        Image.DecompressionBombError,
+        Image.DecompressionBombWarning,
+    ) as err:
+        raise ValueError(f"cannot read {path} as an image: {err}") from None
+    return ImageOps.exif_transpose(image)
+
+
+def _pil_pixels(image: Image.Image) -> np.ndarray:
+    """A PIL image of any mode -> float32 ``[H, W, 1 or 3]`` in [0, 1], alpha on black."""
+    mode = image.mode
+    if mode in _GREY_16:
+        return (np.asarray(image, dtype=np.float32) / 65535)[..., None]
+    if mode == "I":
+        return (np.clip(np.asarray(image, dtype=np.float64), 0, 65535) / 65535).astype(np.float32)[
+            ..., None
+        ]
+    if mode == "F":
+        return _float_pixels(np.asarray(image, dtype=np.float32))[..., None]
+    if mode in ("1", "L"):
+        return (np.asarray(image.convert("L"), dtype=np.float32) / 255)[..., None]
+    if "A" in mode or "a" in mode or (mode == "P" and "transparency" in image.info):
+        rgba = np.asarray(image.convert("RGBA"), dtype=np.float32) / 255
+        return rgba[..., :3] * rgba[..., 3:]
+    return np.asarray(image.convert("RGB"), dtype=np.float32) / 255
+
+
+def _float_pixels(array: np.ndarray) -> np.ndarray:
+    if not np.isfinite(array).all():
+        raise ValueError("the image holds NaN or infinite values")
+    low, high = float(array.min()), float(array.max())
+    if low < 0 or high > 1:
+        raise ValueError(
+            f"float images must lie in [0, 1], got values in [{low:g}, {high:g}] "
+            "(uint8 data: pass it as uint8, or divide by 255)"
+        )
+    return array.astype(np.float32, copy=False)
+
+
+def _array_pixels(array: np.ndarray) -> np.ndarray:
+    """An array image -> float32 ``[H, W, 1 or 3]`` in [0, 1], alpha on black."""
+    if array.ndim == 2:
+        array = array[..., None]
+    if array.ndim != 3 or array.shape[-1] not in (1, 3, 4):
+        raise ValueError(
+            f"array images must be H x W, H x W x 1, H x W x 3 or H x W x 4, got shape "
+            f"{array.shape}"
+        )
+    _check_size(array.shape[1], array.shape[0])
+    if array.dtype == np.uint8:
+        pixels = array.astype(np.float32) / 255
+    elif array.dtype == np.uint16:
+        pixels = array.astype(np.float32) / 65535
+    elif array.dtype.kind == "f":
+        pixels = _float_pixels(array)
+    else:
+        raise ValueError(
+            f"unsupported dtype {array.dtype}: give uint8 (0..255), uint16 or float in [0, 1]"
+        )
+    if pixels.shape[-1] == 4:
+        pixels = pixels[..., :3] * pixels[..., 3:]
+    return pixels
+
+
+def _to_channels(pixels: np.ndarray, channels: int) -> np.ndarray:
+    """``[H, W, 1 or 3]`` -> ``[H, W, channels]``."""
+    if pixels.shape[-1] == channels:
+        return pixels
+    if channels == 1:
+        return (pixels @ _LUMA)[..., None]
+    return np.repeat(pixels, channels, axis=-1)
+
+
+def _fit(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Pad the short side with black to the model's aspect ratio, then resize (bicubic).
+    ``[h, w, C]`` -> ``[C, height, width]``."""
+    h, w = pixels.shape[:2]
+    if h * width != w * height:
+        th, tw = max(h, -(-w * height // width)), max(w, -(-h * width // height))
+        top, left = (th - h) // 2, (tw - w) // 2
+        padded = np.zeros((th, tw, pixels.shape[-1]), dtype=np.float32)
+        padded[top : top + h, left : left + w] = pixels
+        pixels = padded
+    planes = np.moveaxis(pixels, -1, 0)
+    if planes.shape[1:] == (height, width):
+        return np.ascontiguousarray(planes, dtype=np.float32)
+    resized = [
+        np.asarray(Image.fromarray(np.ascontiguousarray(p)).resize((width, height), Image.BICUBIC))
+        for p in planes
+    ]
+    return np.clip(np.stack(resized), 0, 1).astype(np.float32)
