@@ -262,10 +262,9 @@ def _summary(report: StabilityReport, names: dict[str, str]) -> str:
 def _intro(models: ModelSet, spec: SweepSpec) -> str:
     lines = []
     for name, clf in models:
-        acc = clf.metadata.get("rstcnn.accuracy")
-        shown = f", test accuracy {_percent(acc)}" if acc is not None else ""
         size = "x".join(str(v) for v in clf.input_size)
-        lines.append(f"- **{models.display[name]}** (`{name}`, input {size}{shown})")
+        accuracy = _accuracy(clf.metadata.get("rstcnn.accuracy"))
+        lines.append(f"- **{models.display[name]}** (`{name}`, input {size}{accuracy})")
     low, high = spec.scale_range
     return (
         "# RST-CNN: how stable is the prediction?\n"
@@ -281,11 +280,21 @@ def _intro(models: ModelSet, spec: SweepSpec) -> str:
     )
 
 
-def _percent(value: Any) -> str:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return str(value)
+def _accuracy(value: Any) -> str:
+    """``rstcnn.accuracy`` metadata (a number or ``{"test_acc": ..., ...}``) as text."""
+    if isinstance(value, dict):
+        parts = [
+            f"{key.removesuffix('_acc').replace('_', ' ')} accuracy {_percent(v)}"
+            for key, v in value.items()
+            if key.endswith("acc") and isinstance(v, (int, float))
+        ]
+        return "".join(f", {part}" for part in parts)
+    if isinstance(value, (int, float)):
+        return f", accuracy {_percent(value)}"
+    return ""
+
+
+def _percent(number: float) -> str:
     return f"{number:.1%}" if number <= 1 else f"{number:.1f}%"
 
 

@@ -20,7 +20,6 @@ Anything else raises ``UploadError`` with an HTTP status and a message for the u
 from __future__ import annotations
 
 import io
-import warnings
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -90,14 +89,12 @@ def decode_image(data: bytes, *, invert: bool = False) -> np.ndarray:
 
 def _open(data: bytes) -> Image.Image:
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            return Image.open(io.BytesIO(data))
+        return Image.open(io.BytesIO(data))  # reads the header only
     except UnidentifiedImageError as err:
         raise UploadError(
             415, "the file is not an image Pillow can read (PNG, JPEG, GIF, BMP, TIFF, WebP, ...)"
         ) from err
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+    except Image.DecompressionBombError as err:
         raise UploadError(
             413, f"the image is over the {MAX_PIXELS / 1e6:g} megapixel limit ({err})"
         ) from err
@@ -122,7 +119,7 @@ def _to_array(image: Image.Image, *, background: int) -> np.ndarray:
         image = image.convert("RGB")
     if image.mode in _ALPHA:
         colour = "L" if image.mode in ("LA", "La") else "RGB"
-        flat = Image.new(colour, image.size, background)
+        flat = Image.new(colour, image.size, (background,) * len(colour))
         flat.paste(image.convert(colour), mask=image.getchannel("A"))
         image = flat
     if image.mode not in ("L", "RGB"):

@@ -1,0 +1,286 @@
+"""HTTP API through the ASGI test client: every endpoint, every kind of bad upload, image
+modes, one batch per model per stability request, and the sweeps' transforms."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+from serving import gallery, grey, png_bytes, tiny_onnx_models
+
+from serve import MAX_PIXELS, Classifier
+from serve.app import build_app
+from serve.stability import SweepSpec, build_sweeps, measure_stability
+from serve.uploads import MAX_UPLOAD_BYTES, UploadError, decode_image
+
+SPEC = SweepSpec(rotation_steps=8, scale_steps=5, deformation_steps=3)
+
+
+@pytest.fixture(scope="module")
+def model_paths(tmp_path_factory) -> list[Path]:
+    return tiny_onnx_models(tmp_path_factory.getbasetemp())
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory) -> list:
+    found = gallery(tmp_path_factory.getbasetemp())
+    assert found, "no real test images: install dataset-fashion-mnist (scripts/setup.sh)"
+    return found
+
+
+class Counting:
+    """A classifier wrapper that counts model runs and records their batch sizes."""
+
+    def __init__(self, inner: Classifier):
+        self.inner = inner
+        self.batches: list[int] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def run_logits(self, batch: np.ndarray) -> np.ndarray:
+        self.batches.append(int(batch.shape[0]))
+        return self.inner.run_logits(batch)
+
+    def predict_proba(self, images):
+        self.batches.append(-1)  # any other path into the model counts too
+        return self.inner.predict_proba(images)
+
+
+@pytest.fixture(scope="module")
+def counted(model_paths) -> list[Counting]:
+    return [Counting(Classifier.from_onnx(p, threads=1)) for p in model_paths]
+
+
+@pytest.fixture(scope="module")
+def client(counted, samples, tmp_path_factory) -> TestClient:
+    folder = samples[0].path.parent
+    return TestClient(build_app(counted, samples_dir=folder, spec=SPEC))
+
+
+def upload(data: bytes, name: str = "x.png", mime: str = "image/png") -> dict:
+    return {"image": (name, data, mime)}
+
+
+def test_health_models_and_docs(client):
+    health = client.get("/healthz")
+    assert health.status_code == 200
+    assert health.json() == {"status": "ok", "models": ["rst_cnn_fb", "cnn"]}
+
+    listed = client.get("/v1/models").json()
+    assert listed["default"] == "rst_cnn_fb"
+    assert [m["architecture"] for m in listed["models"]] == ["rst_cnn_fb", "cnn"]
+    assert listed["models"][0]["input_size"] == [1, 56, 56]
+    assert len(listed["models"][1]["classes"]) == 10
+    assert listed["limits"] == {"max_upload_bytes": MAX_UPLOAD_BYTES, "max_pixels": MAX_PIXELS}
+
+    spec = client.get("/openapi.json").json()
+    assert {"/healthz", "/v1/models", "/v1/classify", "/v1/stability"} <= set(spec["paths"])
+    assert client.get("/docs").status_code == 200
+    page = client.get("/")
+    assert page.status_code == 200 and "gradio" in page.text.lower()
+
+
+def test_classify_matches_the_classifier(client, counted, samples):
+    data = samples[0].path.read_bytes()
+    answer = client.post("/v1/classify", files=upload(data), data={"top_k": "3"})
+    assert answer.status_code == 200
+    body = answer.json()
+    assert body["model"] == "rst_cnn_fb"
+    scores = [p["score"] for p in body["predictions"]]
+    assert len(scores) == 3 and scores == sorted(scores, reverse=True)
+    expected = counted[0].inner.predict(grey(samples[0].path), top_k=3)[0]
+    assert [p["label"] for p in body["predictions"]] == [p.label for p in expected]
+    np.testing.assert_allclose(scores, [p.score for p in expected], atol=1e-5)
+
+    other = client.post("/v1/classify", files=upload(data), data={"model": "cnn", "top_k": "50"})
+    assert other.status_code == 200
+    assert other.json()["model"] == "cnn"
+    assert len(other.json()["predictions"]) == 10  # top_k is capped at the class count
+    assert abs(sum(p["score"] for p in other.json()["predictions"]) - 1) < 1e-4
+
+
+def test_invert_equals_a_dark_on_light_upload(client, samples):
+    pixels = grey(samples[1].path)
+    plain = client.post(
+        "/v1/classify", files=upload(samples[1].path.read_bytes()), data={"top_k": "10"}
+    )
+    dark = png_bytes(Image.fromarray(255 - pixels))
+    inverted = client.post(
+        "/v1/classify", files=upload(dark), data={"invert": "true", "top_k": "10"}
+    )
+    assert inverted.status_code == 200
+    assert _scores(inverted) == pytest.approx(_scores(plain), abs=1e-5)
+    not_inverted = client.post("/v1/classify", files=upload(dark), data={"top_k": "10"})
+    assert _scores(not_inverted) != pytest.approx(_scores(plain), abs=1e-3)
+
+
+def _scores(answer) -> dict[str, float]:
+    return {p["label"]: p["score"] for p in answer.json()["predictions"]}
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG whose header claims ``width x height`` grey pixels (a decompression bomb's
+    header; the data is a few bytes)."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        )
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+        + chunk(b"IEND", b"")
+    )
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+@pytest.mark.parametrize(
+    ("case", "status", "words"),
+    [
+        ("empty", 400, "empty"),
+        ("text", 415, "not an image"),
+        ("truncated", 422, "truncated"),
+        ("100 megapixels", 413, "megapixel"),
+        ("too many bytes", 413, "MiB"),
+    ],
+)
+def test_bad_uploads_get_4xx_json(client, samples, case, status, words):
+    png = samples[0].path.read_bytes()
+    data = {
+        "empty": b"",
+        "text": b"this is not an image\n" * 10,
+        "truncated": png[: len(png) // 2],
+        "100 megapixels": _png_header(10_000, 10_000),
+        "too many bytes": png + b"\0" * (MAX_UPLOAD_BYTES + 2**20),
+    }[case]
+    for endpoint in ("/v1/classify", "/v1/stability"):
+        answer = client.post(endpoint, files=upload(data))
+        assert answer.status_code == status, (case, endpoint, answer.text)
+        assert words in answer.json()["detail"]
+    assert client.get("/healthz").status_code == 200  # still serving
+
+
+def test_bad_fields_get_4xx_json(client, samples):
+    png = samples[0].path.read_bytes()
+    missing = client.post("/v1/classify", data={"top_k": "3"})
+    assert missing.status_code == 422 and "image" in missing.text
+    zero = client.post("/v1/classify", files=upload(png), data={"top_k": "0"})
+    assert zero.status_code == 422
+    unknown = client.post("/v1/stability", files=upload(png), data={"model": "resnet"})
+    assert unknown.status_code == 404 and "rst_cnn_fb" in unknown.json()["detail"]
+
+
+def _modes(pixels: np.ndarray) -> dict[str, tuple[bytes, float]]:
+    """The same picture in other modes and formats -> (file bytes, tolerance vs. grey)."""
+    base = Image.fromarray(pixels)
+    rgba = Image.merge("RGBA", [Image.new("L", base.size, 255)] * 3 + [base])  # alpha = object
+    wide = Image.fromarray(pixels.astype(np.uint16) * 257)  # 16-bit grey, same values
+    assert wide.mode.startswith("I;16")
+    return {
+        "16-bit": (png_bytes(wide), 1e-5),
+        "RGBA": (png_bytes(rgba), 1e-2),
+        "palette": (png_bytes(base.convert("RGB").quantize(256)), 5e-2),
+        "CMYK": (png_bytes(base.convert("CMYK"), format="JPEG", quality=95), 1e-1),
+        "LA": (png_bytes(Image.merge("LA", [Image.new("L", base.size, 255), base])), 1e-2),
+    }
+
+
+def test_image_modes_are_read_as_the_same_picture(client, samples):
+    pixels = grey(samples[2].path)
+    reference = client.post("/v1/classify", files=upload(png_bytes(Image.fromarray(pixels))))
+    expected = {p["label"]: p["score"] for p in reference.json()["predictions"]}
+    for mode, (data, tolerance) in _modes(pixels).items():
+        answer = client.post("/v1/classify", files=upload(data), data={"top_k": "10"})
+        assert answer.status_code == 200, (mode, answer.text)
+        scores = {p["label"]: p["score"] for p in answer.json()["predictions"]}
+        for label, score in expected.items():
+            assert abs(scores[label] - score) <= tolerance, (mode, label)
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+def test_decode_image_values():
+    ramp = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    np.testing.assert_allclose(decode_image(png_bytes(Image.fromarray(ramp))), ramp / 255)
+    wide = Image.fromarray(ramp.astype(np.uint16) * 257)
+    np.testing.assert_allclose(decode_image(png_bytes(wide)), ramp / 255, atol=1e-6)
+    # transparent pixels become the models' black background, or white before inversion
+    clear = Image.new("RGBA", (4, 4), (200, 10, 10, 0))
+    assert decode_image(png_bytes(clear)).max() == 0
+    assert decode_image(png_bytes(clear), invert=True).max() == 0
+    cmyk = Image.new("CMYK", (8, 8), (0, 255, 255, 0))  # red
+    colour = decode_image(png_bytes(cmyk, format="JPEG", quality=100))
+    assert colour.shape == (8, 8, 3) and colour[0, 0] == pytest.approx([1, 0, 0], abs=0.02)
+    with pytest.raises(UploadError) as err:
+        decode_image(_png_header(MAX_PIXELS, 2))
+    assert err.value.status == 413
+
+
+def test_stability_runs_one_batch_per_model(client, counted, samples):
+    for c in counted:
+        c.batches.clear()
+    answer = client.post("/v1/stability", files=upload(samples[3].path.read_bytes()))
+    assert answer.status_code == 200
+    body = answer.json()
+    assert [c.batches for c in counted] == [[SPEC.batch_size], [SPEC.batch_size]]
+    assert body["batch_size"] == SPEC.batch_size == 1 + 8 + 5 + 3
+    assert [m["model"] for m in body["models"]] == ["rst_cnn_fb", "cnn"]
+    classified = client.post("/v1/classify", files=upload(samples[3].path.read_bytes())).json()
+    for entry in body["models"]:
+        assert set(entry["sweeps"]) == {"rotation", "scale", "deformation"}
+        rotation = entry["sweeps"]["rotation"]
+        assert rotation["values"] == pytest.approx(np.arange(8) * 45)
+        assert rotation["unit"] == "degrees"
+        assert entry["stability"] == rotation["agreement"]
+        for sweep in entry["sweeps"].values():
+            assert 0 <= min(sweep["probability"]) <= max(sweep["probability"]) <= 1
+            agree = np.mean([label == entry["label"] for label in sweep["top1"]])
+            assert sweep["agreement"] == pytest.approx(agree)
+        # step 0 of the rotation and deformation sweeps is the unperturbed image
+        assert rotation["probability"][0] == pytest.approx(entry["score"], abs=1e-5)
+        assert entry["sweeps"]["deformation"]["probability"][0] == pytest.approx(
+            entry["score"], abs=1e-5
+        )
+    top = classified["predictions"][0]
+    assert (body["models"][0]["label"], body["models"][0]["score"]) == (
+        top["label"],
+        pytest.approx(top["score"], abs=1e-5),
+    )
+    one = client.post(
+        "/v1/stability", files=upload(samples[3].path.read_bytes()), data={"model": "cnn"}
+    )
+    assert [m["model"] for m in one.json()["models"]] == ["cnn"]
+
+
+def test_rst_model_is_stable_under_quarter_turns(counted, samples):
+    """The RST-CNN's logits are invariant to 90-degree turns and the sweep turns exactly,
+    so its probability curve repeats every quarter turn; the CNN's need not."""
+    report = measure_stability(counted, grey(samples[4].path), spec=SweepSpec(rotation_steps=8))
+    rst, cnn = (m.sweeps["rotation"].probability for m in report.models)
+    np.testing.assert_allclose(rst[[0, 2, 4, 6]], rst[0], atol=1e-5)
+    assert np.abs(cnn[[2, 4, 6]] - cnn[0]).max() > 1e-4
+
+
+def test_sweep_transforms(samples):
+    image = grey(samples[5].path)[None].astype(np.float32) / 255  # [1, 56, 56]
+    spec = SweepSpec(rotation_steps=4, scale_range=(0.5, 2.0), scale_steps=3, deformation_steps=3)
+    rotation, scale, deformation = build_sweeps(image, spec)
+    assert rotation.images.shape == (4, 1, 56, 56)
+    np.testing.assert_array_equal(rotation.images[1], np.rot90(image, 1, axes=(1, 2)))
+    np.testing.assert_array_equal(rotation.images[0], image)
+    assert scale.values == pytest.approx([0.5, 1.0, 2.0])
+    np.testing.assert_allclose(scale.images[1], image, atol=1e-6)
+    # shrinking halves the object's extent: its mass drops about four-fold
+    assert scale.images[0].sum() == pytest.approx(image.sum() / 4, rel=0.1)
+    assert deformation.values == pytest.approx([0.0, 0.1, 0.2])
+    np.testing.assert_allclose(deformation.images[0], image, atol=1e-6)
+    moved = [np.abs(d - image).mean() for d in deformation.images]
+    assert 0 < moved[1] < moved[2]  # a larger |grad tau| moves the picture more
