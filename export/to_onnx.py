@@ -43,7 +43,7 @@ from torch import nn
 
 import rstmodel
 from export.bake import bake
-from rstmodel.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint
+from rstmodel.checkpoint import CheckpointMeta, load_checkpoint
 from rstmodel.layers import GroupRSTConv, LiftingRSTConv
 
 __all__ = [
@@ -283,24 +283,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("torch").setLevel(logging.ERROR)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    log.setLevel(logging.INFO)
     args = parse_args(argv)
     try:
-        path, model, meta = export_onnx(args.checkpoint, args.out, opset=args.opset)
-    except (CheckpointError, FileNotFoundError) as err:
+        model, meta = load_checkpoint(args.checkpoint)
+        images = data_sample(meta, args.check, stl10_root=args.stl10_root) if args.check else None
+    except (ExportError, OSError, ValueError) as err:  # CheckpointError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         return EXIT_SETUP
-    size = path.stat().st_size / 1e6
-    log.info("wrote %s (%s, %.2f MB)", path, meta.model_name, size)
-    if not args.check:
+    out = args.checkpoint.with_suffix(".onnx") if args.out is None else args.out
+    shape = (meta.in_channels, meta.input_size, meta.input_size)
+    metadata = onnx_metadata(model, meta, file_sha256(args.checkpoint))
+    export_model(model, out, input_shape=shape, metadata=metadata, opset=args.opset)
+    log.info("wrote %s (%s, %.2f MB)", out, meta.model_name, out.stat().st_size / 1e6)
+    if images is None:
         return 0
-    try:
-        images = data_sample(meta, args.check, stl10_root=args.stl10_root)
-    except (ExportError, OSError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_SETUP
-    result = check_onnx(path, model, images, meta.mean, meta.std)
+    result = check_onnx(out, model, images, meta.mean, meta.std)
     verdict = "ok" if result.ok else "FAILED"
     print(
         f"check {verdict}: {result.count} images, max |logit diff| {result.max_abs_diff:.2e} "

@@ -1,0 +1,163 @@
+"""Inference speed of the deployment forms: ``python -m export.bench``.
+
+For each model (default ``rst_cnn_fb`` and ``cnn``, random weights with perturbed batch
+norm statistics, so no checkpoint is needed) and each form
+
+    eager    the library model in eval mode (its fastest paths, train-form parameters)
+    baked    ``export.bake``: plain torch, static convolutions, batch norms folded
+    onnx     the exported ONNX file on onnxruntime's CPU provider
+
+prints the median latency at batch 1 and the median time of one batch of 128 (each after
+one warm-up call), then the ratios: eager / onnx per model, and each form of the first
+model over the same form of the last (the RST-CNN / CNN cost). torch and onnxruntime get
+the same number of threads (``--threads``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import rstmodel
+from export.bake import bake
+from export.to_onnx import export_model
+
+FORMS = ("eager", "baked", "onnx")
+
+
+def perturb_norms(model: nn.Module, seed: int = 0) -> nn.Module:
+    """Random batch-norm statistics and affine parameters (some scales negative), so the
+    folding does real work."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                n = m.num_features
+                m.running_mean.copy_(torch.randn(n, generator=gen) * 0.3)
+                m.running_var.copy_(torch.rand(n, generator=gen) + 0.5)
+                m.weight.copy_(torch.randn(n, generator=gen))
+                m.bias.copy_(torch.randn(n, generator=gen) * 0.3)
+    return model
+
+
+def time_call(fn: Callable[[], object], repeats: int) -> float:
+    """Median seconds of ``repeats`` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def runners(model: nn.Module, shape: tuple[int, int, int], threads: int, folder: Path):
+    """``{form: run(x float32 numpy) -> logits}`` for the three forms."""
+    import onnxruntime as ort
+
+    baked = bake(model, torch.zeros(1, *shape))
+    path = export_model(model, folder / "model.onnx", input_shape=shape)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+    def torch_form(net: nn.Module) -> Callable[[np.ndarray], np.ndarray]:
+        def run(x: np.ndarray) -> np.ndarray:
+            with torch.no_grad():
+                return net(torch.from_numpy(x)).numpy()
+
+        return run
+
+    return {
+        "eager": torch_form(model),
+        "baked": torch_form(baked),
+        "onnx": lambda x: session.run(None, {"images": x})[0],
+    }
+
+
+def measure(name: str, args: argparse.Namespace, folder: Path) -> dict[str, dict[str, float]]:
+    model = perturb_norms(rstmodel.create_model(name)).eval()
+    config = model.config
+    shape = (config.in_channels, config.input_size, config.input_size)
+    forms = runners(model, shape, args.threads, folder)
+    rng = np.random.default_rng(0)
+    x1 = rng.standard_normal((1, *shape), dtype=np.float32)
+    xb = rng.standard_normal((args.batch, *shape), dtype=np.float32)
+    reference = forms["eager"](x1)
+    out: dict[str, dict[str, float]] = {}
+    for form in args.forms:
+        run = forms[form]
+        diff = float(np.abs(run(x1) - reference).max())
+        b1 = time_call(lambda run=run: run(x1), args.repeats)
+        bb = time_call(lambda run=run: run(xb), max(1, args.repeats // 5))
+        out[form] = {"b1": b1, "batch": bb, "diff": diff}
+        logging.info(
+            "%s %s: %.1f ms at batch 1, %.2f s at batch %d", name, form, b1 * 1e3, bb, args.batch
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m export.bench", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--models", nargs="+", default=["rst_cnn_fb", "cnn"])
+    parser.add_argument("--forms", nargs="+", default=list(FORMS), choices=FORMS)
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls at batch 1 (default 5)")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.getLogger().setLevel(logging.INFO)
+    for noisy in ("onnxscript", "onnx_ir", "torch"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    torch.set_num_threads(args.threads)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            folder = Path(tmp) / name
+            folder.mkdir()
+            results[name] = measure(name, args, folder)
+
+    print(
+        f"\n{platform.machine()}, {torch.get_num_threads()} torch threads / {args.threads} "
+        f"onnxruntime threads, torch {torch.__version__}, python {platform.python_version()}\n"
+    )
+    print(f"| model | form | batch 1 (ms) | batch {args.batch} (s) | max abs diff vs eager |")
+    print("|---|---|---|---|---|")
+    for name, forms in results.items():
+        for form, r in forms.items():
+            print(f"| {name} | {form} | {r['b1'] * 1e3:.1f} | {r['batch']:.3f} | {r['diff']:.1e} |")
+    print("\n| ratio | batch 1 | batch " + str(args.batch) + " |\n|---|---|---|")
+    for name, forms in results.items():
+        for form in forms:
+            if form != "eager" and "eager" in forms:
+                e, f = forms["eager"], forms[form]
+                print(
+                    f"| {name}: eager / {form} | {e['b1'] / f['b1']:.2f}x | {e['batch'] / f['batch']:.2f}x |"
+                )
+    if len(results) > 1:
+        first, last = list(results)[0], list(results)[-1]
+        for form in results[first]:
+            if form in results[last]:
+                a, b = results[first][form], results[last][form]
+                print(
+                    f"| {first} / {last}, {form} | {a['b1'] / b['b1']:.1f}x | {a['batch'] / b['batch']:.1f}x |"
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,450 @@
+"""Export: bake parity for every model, batch-norm folding, ONNX graph, metadata, parity and
+invariance through onnxruntime, the to_onnx / to_tensorrt command lines."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+import rstmodel
+from export import to_onnx
+from export.bake import BASIS, bake, cheaper_form
+from export.to_onnx import check_onnx, export_model, export_onnx, group_metadata
+from export.to_tensorrt import fp16_model, missing_requirements
+from rstmodel.data import RSConfig, default_cache_dir, load_rs
+
+REPO = Path(__file__).resolve().parents[1]
+
+# small but complete versions of every registered model
+SMALL = {
+    "cnn": {"channels": (4, 6, 8), "hidden": 16},
+    "resnet16": {"widths": (8, 8, 16), "input_size": 32},
+    "rst_resnet16": {"widths": (4, 4, 8), "input_size": 32},
+}
+RST_SMALL = {"channels": (3, 4, 5), "hidden": 8}
+# what the ONNX graph may hold: standard ops, nothing model-specific
+ALLOWED_OPS = {
+    "Add",
+    "Concat",
+    "Conv",
+    "Flatten",
+    "Gemm",
+    "MatMul",
+    "MaxPool",
+    "Mul",
+    "ReduceMax",
+    "Relu",
+    "Reshape",
+    "Shape",
+    "Slice",
+    "Split",
+    "Squeeze",
+    "Transpose",
+    "Unsqueeze",
+}
+
+
+def small_model(name: str, **extra) -> nn.Module:
+    return rstmodel.create_model(name, **{**SMALL.get(name, RST_SMALL), **extra})
+
+
+def randomize_norms(model: nn.Module, seed: int = 0, *, negative: bool = True) -> None:
+    """Running statistics and affine parameters far from the defaults; with ``negative``
+    about a third of the batch-norm scales are negative."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                n = m.num_features
+                m.running_mean.copy_(torch.randn(n, generator=gen) * 0.5)
+                m.running_var.copy_(torch.rand(n, generator=gen) * 2 + 0.2)
+                gamma = torch.rand(n, generator=gen) + 0.2
+                if negative:
+                    gamma[torch.rand(n, generator=gen) < 0.35] *= -1
+                m.weight.copy_(gamma)
+                m.bias.copy_(torch.randn(n, generator=gen) * 0.5)
+
+
+def input_shape(model: nn.Module) -> tuple[int, int, int]:
+    c = model.config
+    return c.in_channels, c.input_size, c.input_size
+
+
+def train_steps(model: nn.Module, steps: int = 3) -> None:
+    """A few Adam steps in train mode after an eval call, so a stale eval cache would show."""
+    dtype = next(model.parameters()).dtype
+    x = torch.randn(4, *input_shape(model), dtype=dtype)
+    y = torch.randint(0, 10, (4,))
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+# ---------------------------------------------------------------- bake
+
+
+@pytest.mark.parametrize("name", rstmodel.list_models())
+def test_bake_matches_the_model_and_leaves_it_alone(name):
+    model = small_model(name).double()
+    train_steps(model)
+    randomize_norms(model)
+    model.eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = [p.requires_grad for p in model.parameters()]
+    baked = bake(model)
+    x = torch.randn(3, *input_shape(model), dtype=torch.float64)
+    with torch.no_grad():
+        expected, got = model(x), baked(x)
+    scale = expected.abs().max().item()
+    assert (got - expected).abs().max().item() <= 1e-10 * max(scale, 1.0)
+    # the source is untouched: weights, mode, gradient flags
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not model.training and grads == [p.requires_grad for p in model.parameters()]
+    # plain torch only: no rstmodel class, no batch norm, no einsum
+    assert all(type(m).__module__.startswith("torch.") for m in baked.modules())
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in baked.modules())
+    assert "einsum" not in baked.code
+
+
+def test_bake_folds_positive_norm_scales_and_keeps_the_rest():
+    """All-positive scales: no multiplication remains (every scale is folded into a conv or
+    the FC layer). Mixed signs: a Mul by the signs remains, and the result still matches."""
+    for name in ("rst_cnn_fb", "cnn"):
+        model = small_model(name).double().eval()
+        randomize_norms(model, negative=False)
+        baked = bake(model)
+        assert "mul" not in baked.code
+        x = torch.randn(2, *input_shape(model), dtype=torch.float64)
+        with torch.no_grad():
+            torch.testing.assert_close(baked(x), model(x), rtol=1e-10, atol=1e-10)
+
+        randomize_norms(model, seed=1, negative=True)
+        baked = bake(model)
+        assert "mul" in baked.code
+        with torch.no_grad():
+            torch.testing.assert_close(baked(x), model(x), rtol=1e-10, atol=1e-10)
+
+
+def test_head_norm_folds_entirely():
+    """Linear -> BatchNorm1d in the head folds into the Linear: the head is Gemm, ReLU, Gemm."""
+    model = small_model("rst_cnn_fb").eval()
+    randomize_norms(model)
+    baked = bake(model)
+    head = [m for m in baked.modules() if isinstance(m, (nn.Linear, nn.ReLU))][-3:]
+    assert [type(m) for m in head] == [nn.Linear, nn.ReLU, nn.Linear]
+
+
+def test_default_rst_cnn_fb_bakes_to_basis_form_and_a_small_file():
+    model = rstmodel.create_model("rst_cnn_fb").eval()
+    randomize_norms(model)
+    spec = model.spec
+    for cin, cout in ((69, 135), (135, 204)):
+        assert all(cheaper_form(cin, cout, spec.num_funcs, k) == BASIS for k in spec.kernel_sizes)
+    baked = bake(model)
+    convs = [m for m in baked.modules() if isinstance(m, nn.Conv2d)]
+    spatial = [m for m in convs if m.kernel_size[0] > 1]
+    # every spatial conv is a fixed basis bank on one input plane; the rest is 1x1 mixing
+    assert spatial and all(m.in_channels == 1 for m in spatial)
+    assert all(m.kernel_size == (1, 1) for m in convs if m not in spatial)
+    stored = sum(t.numel() * t.element_size() for t in baked.state_dict().values())
+    assert stored < 4e6, f"{stored / 1e6:.1f} MB"
+    x = torch.randn(1, 1, 56, 56)
+    with torch.no_grad():
+        expected, got = model(x), baked(x)
+    assert (got - expected).abs().max().item() < 1e-4 * max(1.0, expected.abs().max().item())
+
+
+def test_group_metadata_reports_the_configuration():
+    group = group_metadata(rstmodel.create_model("rst_cnn_plus_fb", channels=(2, 3, 4)))
+    assert group["rotations"] == 8 and group["scales"] == 4 and group["K"] == 12
+    assert group["basis"] == "fb" and group["kernel_sizes"] == [5, 7, 11, 15]
+    assert group["taps"] == {"rotation": 4, "scale": 1, "mode": "coarse"}
+    assert group_metadata(small_model("cnn")) is None
+
+
+# ---------------------------------------------------------------- ONNX
+
+
+def save_small_checkpoint(path: Path, model: nn.Module, name: str) -> None:
+    rstmodel.save_checkpoint(
+        path,
+        model,
+        model_name=name,
+        class_names=[f"class {i}" for i in range(10)],
+        input_size=model.config.input_size,
+        in_channels=model.config.in_channels,
+        normalization=([0.25], [0.35]),
+        metrics={"epoch": 3, "val_acc": 0.625, "train_loss": 0.9},
+        extra={"run": {"data": "rs-fashion", "realization": 0}},
+    )
+
+
+@pytest.fixture(scope="module")
+def rst_export(tmp_path_factory):
+    """A trained-a-little, 2-scale RST-CNN, its checkpoint and its ONNX export."""
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("rst")
+    model = small_model("rst_cnn_fb", num_scales=2)
+    train_steps(model, steps=2)
+    randomize_norms(model)
+    model.eval()
+    checkpoint = folder / "model.pt"
+    save_small_checkpoint(checkpoint, model, "rst_cnn_fb")
+    path, loaded, meta = export_onnx(checkpoint, folder / "model.onnx")
+    return path, loaded, meta, checkpoint
+
+
+def ops(path: Path) -> set[str]:
+    return {node.op_type for node in onnx.load(path).graph.node}
+
+
+def session(path: Path) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def test_onnx_graph_is_standard_ops_with_a_dynamic_batch(rst_export):
+    path = rst_export[0]
+    found = ops(path)
+    assert "Einsum" not in found and "BatchNormalization" not in found
+    assert found <= ALLOWED_OPS, found - ALLOWED_OPS
+    proto = onnx.load(path)
+    (inp,), (out,) = proto.graph.input, proto.graph.output
+    assert (inp.name, out.name) == ("images", "logits")
+    dims = inp.type.tensor_type.shape.dim
+    assert dims[0].dim_param and [d.dim_value for d in dims[1:]] == [1, 56, 56]
+    assert not any(
+        init.data_location == onnx.TensorProto.EXTERNAL for init in proto.graph.initializer
+    )
+
+
+def test_onnx_metadata_round_trip(rst_export):
+    path, model, meta, checkpoint = rst_export
+    props = {p.key: p.value for p in onnx.load(path).metadata_props}
+    assert props["rstcnn.model"] == "rst_cnn_fb"
+    assert json.loads(props["rstcnn.class_names"]) == list(meta.class_names)
+    assert json.loads(props["rstcnn.input_size"]) == [1, 56, 56]
+    assert json.loads(props["rstcnn.normalization"]) == {"mean": [0.25], "std": [0.35]}
+    group = json.loads(props["rstcnn.group"])
+    assert (group["rotations"], group["scales"], group["K"]) == (8, 2, 12)
+    assert props["rstcnn.checkpoint_sha256"] == hashlib.sha256(checkpoint.read_bytes()).hexdigest()
+    assert props["rstcnn.version"] == rstmodel.__version__
+    assert json.loads(props["rstcnn.accuracy"]) == {"epoch": 3, "val_acc": 0.625}
+    assert all(isinstance(v, str) for v in props.values())
+
+
+def test_onnxruntime_matches_the_eager_model_at_any_batch(rst_export):
+    path, model, _, _ = rst_export
+    sess = session(path)
+    for batch in (1, 5):
+        x = torch.randn(batch, 1, 56, 56)
+        with torch.no_grad():
+            expected = model(x).numpy()
+        got = sess.run(["logits"], {"images": x.numpy()})[0]
+        assert got.shape == (batch, 10)
+        assert np.abs(got - expected).max() <= 1e-4 * max(1.0, np.abs(expected).max())
+
+
+def test_ninety_degree_turns_give_the_same_logits_through_onnxruntime(rst_export, blobs):
+    sess = session(rst_export[0])
+    x = blobs((2, 1), 56).float().numpy()
+    turned = [np.ascontiguousarray(np.rot90(x, k, axes=(2, 3))) for k in range(4)]
+    logits = [sess.run(["logits"], {"images": t})[0] for t in turned]
+    scale = np.abs(logits[0]).max()
+    for other in logits[1:]:
+        assert np.abs(other - logits[0]).max() <= 1e-5 * max(1.0, scale)
+    # control: a circular shift is no symmetry of the model, so the test can fail
+    shifted = np.roll(x, 3, axis=3)
+    assert np.abs(sess.run(["logits"], {"images": shifted})[0] - logits[0]).max() > 1e-4
+
+
+def test_cnn_exports_with_fixed_pools(tmp_path):
+    model = small_model("cnn").eval()
+    randomize_norms(model)
+    path = export_model(model, tmp_path / "cnn.onnx", input_shape=(1, 56, 56))
+    assert ops(path) <= ALLOWED_OPS
+    x = torch.randn(3, 1, 56, 56)
+    with torch.no_grad():
+        expected = model(x).numpy()
+    np.testing.assert_allclose(
+        session(path).run(None, {"images": x.numpy()})[0], expected, atol=1e-5
+    )
+
+
+def test_check_detects_a_model_that_differs(rst_export):
+    path, model, meta, _ = rst_export
+    images = np.random.default_rng(0).integers(0, 256, (6, 1, 56, 56), dtype=np.uint8)
+    assert check_onnx(path, model, images, meta.mean, meta.std).ok
+    other = small_model("rst_cnn_fb", num_scales=2).eval()
+    result = check_onnx(path, other, images, meta.mean, meta.std)
+    assert not result.ok and result.max_abs_diff > 1e-2
+
+
+# ---------------------------------------------------------------- command lines
+
+
+def run_cli(script: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "export" / script), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        timeout=300,
+    )
+
+
+def data_cache(tmp_path: Path) -> dict[str, str]:
+    """The environment for --check: the prepared RS-Fashion cache if there is one, else a
+    tiny synthetic cache built from random digits (as tests/test_data.py does)."""
+    config = RSConfig("rs-fashion")
+    if config.cache_path(default_cache_dir()).is_file():
+        return {}
+    rng = np.random.default_rng(3)
+    idx = tmp_path / "idx"
+    idx.mkdir()
+    for stem, array in (
+        ("train-images-idx3-ubyte", rng.integers(0, 256, (60, 28, 28), dtype=np.uint8)),
+        ("train-labels-idx1-ubyte", rng.integers(0, 10, 60, dtype=np.uint8)),
+    ):
+        header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+        (idx / stem).write_bytes(header + array.tobytes())
+    load_rs(config, cache_dir=tmp_path / "cache", data_root=idx)
+    return {"RSTCNN_DATA": str(tmp_path / "cache")}
+
+
+def test_to_onnx_cli_exports_and_checks_on_real_images(rst_export, tmp_path):
+    checkpoint = rst_export[3]
+    out = tmp_path / "cli.onnx"
+    done = run_cli(
+        "to_onnx.py", str(checkpoint), "-o", str(out), "--check", "24", env=data_cache(tmp_path)
+    )
+    assert done.returncode == 0, done.stderr
+    assert "check ok: 24 images" in done.stdout
+    assert out.is_file() and ops(out) <= ALLOWED_OPS
+
+
+def test_to_onnx_names_the_command_when_the_data_is_not_prepared(
+    rst_export, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("RSTCNN_DATA", str(tmp_path / "nothing"))
+    out = tmp_path / "never.onnx"
+    assert to_onnx.main([str(rst_export[3]), "-o", str(out), "--check", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "python train/prepare_data.py --data rs-fashion" in err
+    assert not out.exists()  # checked before the export
+
+
+def _garbage(path: Path) -> None:
+    path.write_bytes(b"not a checkpoint at all")
+
+
+def _empty(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+def _foreign(path: Path) -> None:
+    torch.save({"weights": torch.zeros(3)}, path)
+
+
+@pytest.mark.parametrize("write", [_garbage, _empty, _foreign])
+def test_to_onnx_refuses_corrupt_and_foreign_checkpoints(tmp_path, capsys, write):
+    bad = tmp_path / "bad.pt"
+    write(bad)
+    assert to_onnx.main([str(bad)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and str(bad) in lines[0]
+    assert not (tmp_path / "bad.onnx").exists()
+
+
+def test_to_onnx_cli_error_has_no_traceback(tmp_path):
+    bad = tmp_path / "bad.pt"
+    _garbage(bad)
+    done = run_cli("to_onnx.py", str(bad))
+    assert done.returncode == 2 and done.stderr.startswith("error:")
+    assert "Traceback" not in done.stderr
+
+
+# ---------------------------------------------------------------- TensorRT
+
+
+def _tensorrt_usable() -> bool:
+    return not missing_requirements()
+
+
+@pytest.mark.skipif(_tensorrt_usable(), reason="TensorRT and a GPU are here: the engine test runs")
+def test_to_tensorrt_says_what_is_missing(rst_export):
+    done = run_cli("to_tensorrt.py", str(rst_export[0]), "-o", "/nonexistent/never.plan")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    message = done.stderr
+    assert "error:" in message
+    if not torch.cuda.is_available():
+        assert "CUDA GPU" in message
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        assert "TensorRT" in message
+
+
+def test_fp16_graph_keeps_float32_io_and_the_logits(rst_export):
+    path = rst_export[0]
+    half = fp16_model(onnx.load(path))
+    inits = [i for i in half.graph.initializer if i.data_type == onnx.TensorProto.FLOAT]
+    assert not inits
+    assert half.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    x = np.random.default_rng(1).standard_normal((2, 1, 56, 56)).astype(np.float32)
+    full = session(path).run(None, {"images": x})[0]
+    got = ort.InferenceSession(half.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"images": x}
+    )[0]
+    assert got.dtype == np.float32
+    assert np.abs(got - full).max() <= 2e-2 * max(1.0, np.abs(full).max())
+
+
+def _cuda_and_tensorrt() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _cuda_and_tensorrt(), reason="needs a CUDA GPU and TensorRT")
+@pytest.mark.parametrize("fp16", [False, True])
+def test_tensorrt_engine_matches_onnxruntime(rst_export, tmp_path, fp16):
+    from export.to_tensorrt import build_engine
+    from serve import Classifier
+
+    path = rst_export[0]
+    plan = build_engine(path, tmp_path / "model.plan", fp16=fp16, max_batch=8)
+    trt_clf = Classifier.from_tensorrt(plan)
+    onnx_clf = Classifier.from_onnx(path, providers=["CPUExecutionProvider"])
+    assert trt_clf.class_names == onnx_clf.class_names and trt_clf.providers == ["TensorRT"]
+    images = np.random.default_rng(2).integers(0, 256, (11, 56, 56), dtype=np.uint8)
+    batch = onnx_clf.normalize(onnx_clf.prepare(list(images)))
+    expected = onnx_clf.run_logits(batch)
+    got = trt_clf.run_logits(batch)  # 11 > max batch 8: two engine calls
+    tolerance = 5e-2 if fp16 else 1e-3
+    assert np.abs(got - expected).max() <= tolerance * max(1.0, np.abs(expected).max())
