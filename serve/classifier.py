@@ -155,16 +155,17 @@ class Classifier:
                 raise ValueError(f"threads must be >= 1, got {threads}")
             options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1
+        usable = [p for p in providers if p in available] or ["CPUExecutionProvider"]
         try:
-            session = ort.InferenceSession(str(path), options, providers=list(providers))
+            session = ort.InferenceSession(str(path), options, providers=usable)
         except Exception as err:  # onnxruntime raises its own exception types
             raise ValueError(f"{path} is not a loadable ONNX model: {err}") from None
         used = session.get_providers()
         lost = [p for p in providers if p in _GPU_PROVIDERS and p not in used]
         if lost:
             log.warning(
-                "%s: %s requested but not usable (no GPU, or its libraries are missing); "
-                "onnxruntime runs on %s",
+                "%s: %s requested but not usable (not in this onnxruntime, no GPU, or its "
+                "libraries are missing); onnxruntime runs on %s",
                 path.name,
                 ", ".join(lost),
                 ", ".join(used),
@@ -313,14 +314,11 @@ def _open(path: Path) -> Image.Image:
             image.load()
     except ValueError:
         raise
-    except (
-        UnidentifiedImageError,
-        OSError,
-        SyntaxError,
-        EOFError,
-        Image.DecompressionBombError,
-        Image.DecompressionBombWarning,
-    ) as err:
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise ValueError(
+            f"{path} is over the {MAX_PIXELS / 1e6:g} megapixel limit (serve.MAX_PIXELS): {err}"
+        ) from None
+    except (UnidentifiedImageError, OSError, SyntaxError, EOFError) as err:
         raise ValueError(f"cannot read {path} as an image: {err}") from None
     return ImageOps.exif_transpose(image)
 
