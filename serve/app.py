@@ -169,6 +169,7 @@ def build_ui(models: ModelSet, samples: Sequence[Sample], *, spec: SweepSpec) ->
             label="Transformed inputs; captions: top-1 of "
             + " | ".join(models.display[name] for name in models.names),
             columns=6,  # one row per sweep
+            format="png",
             height="auto",
             object_fit="contain",
             elem_id="sweep-gallery",
@@ -312,14 +313,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
-    import torch
-    import uvicorn
-
-    torch.set_num_threads(1)  # the sweeps' warps are small; onnxruntime does the heavy work
     try:
         app = build_app(args.model, samples_dir=args.samples_dir, threads=args.threads)
     except (FileNotFoundError, ValueError) as err:
         parser.exit(2, f"error: {err}\n")
+
+    import torch
+    import uvicorn
+
+    torch.set_num_threads(1)  # the sweeps' warps are small; onnxruntime does the heavy work
     log.info("serving on http://%s:%d (API docs at /docs)", args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 

@@ -112,11 +112,17 @@ def free_port() -> int:
 
 @contextmanager
 def live_server(app: object) -> Iterator[str]:
-    """Serve ``app`` with uvicorn on 127.0.0.1 in a thread; yields the base URL."""
+    """Serve ``app`` with uvicorn on 127.0.0.1 in a thread; yields the base URL. (Gradio
+    clients hold a heartbeat stream open; shutdown cancels it after 2 s, which uvicorn
+    would log as an error: its log is kept to critical messages.)"""
     import uvicorn
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="critical", timeout_graceful_shutdown=2
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

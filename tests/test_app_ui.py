@@ -1,0 +1,121 @@
+"""The Gradio UI through gradio_client against a live server on 127.0.0.1, the command
+line, and a bounded load test of /v1/classify on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from gradio_client import Client, handle_file
+from gradio_client.exceptions import AppError
+from PIL import Image
+from serving import gallery, grey, live_server, tiny_onnx_models
+
+from serve.app import build_app, main
+from serve.loadtest import run_load
+from serve.stability import SweepSpec
+
+SPEC = SweepSpec(rotation_steps=12, scale_steps=6, deformation_steps=4)
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory) -> list:
+    found = gallery(tmp_path_factory.getbasetemp())
+    assert found, "no real test images: install dataset-fashion-mnist (scripts/setup.sh)"
+    return found
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, samples):
+    models = tiny_onnx_models(tmp_path_factory.getbasetemp())
+    app = build_app(models, samples_dir=samples[0].path.parent, spec=SPEC, threads=1)
+    with live_server(app) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(server, tmp_path_factory) -> Iterator[Client]:
+    downloads = tmp_path_factory.mktemp("gradio-downloads")
+    client = Client(server, verbose=False, analytics_enabled=False, download_files=str(downloads))
+    yield client
+    client.close()
+
+
+def analyse(client: Client, path: Path | None, *, top_k: int = 3, invert: bool = False):
+    image = handle_file(str(path)) if path is not None else None
+    return client.predict(image, None, top_k, invert, api_name="/analyse")
+
+
+def test_ui_classifies_a_real_test_image(client, server, samples):
+    path = samples[0].path
+    status, rst, cnn, summary, plot, thumbs = analyse(client, path)
+    api = httpx.post(
+        server + "/v1/classify",
+        files={"image": ("x.png", path.read_bytes(), "image/png")},
+        data={"top_k": "3"},
+    ).json()
+    assert rst["label"] == api["predictions"][0]["label"]
+    assert [c["label"] for c in rst["confidences"]] == [p["label"] for p in api["predictions"]]
+    np.testing.assert_allclose(
+        [c["confidence"] for c in rst["confidences"]],
+        [p["score"] for p in api["predictions"]],
+        atol=1e-5,
+    )
+    assert len(cnn["confidences"]) == 3
+    assert f"x {SPEC.batch_size} images, one batch per model" in status
+    assert "RST-CNN(FB)" in summary and "CNN" in summary and rst["label"] in summary
+    assert plot["type"] == "matplotlib" and plot["plot"].startswith("data:image/png;base64,")
+    assert len(thumbs) == 6 + 6 + 4  # up to 6 per sweep
+    first = Image.open(thumbs[0]["image"])
+    assert first.size == (112, 112)
+    np.testing.assert_array_equal(np.asarray(first.convert("L"))[::2, ::2], grey(path))
+    assert thumbs[0]["caption"].startswith("rot 0")
+
+
+def test_ui_invert_and_top_k(client, samples, tmp_path):
+    dark = tmp_path / "dark.png"
+    Image.fromarray(255 - grey(samples[1].path)).save(dark)
+    plain = analyse(client, samples[1].path, top_k=5)
+    inverted = analyse(client, dark, top_k=5, invert=True)
+    assert len(plain[1]["confidences"]) == 5
+    assert _confidences(inverted[1]) == pytest.approx(_confidences(plain[1]), abs=1e-5)
+    assert "(inverted)" in inverted[0]
+
+
+def _confidences(label: dict) -> dict[str, float]:
+    return {c["label"]: c["confidence"] for c in label["confidences"]}
+
+
+def test_ui_reports_bad_input(client, tmp_path):
+    text = tmp_path / "notes.png"
+    text.write_text("not an image at all\n")
+    with pytest.raises(AppError, match="not an image"):
+        analyse(client, text)
+    broken = tmp_path / "broken.png"
+    good = tmp_path / "good.png"
+    Image.fromarray(np.full((40, 40), 200, np.uint8)).save(good)
+    broken.write_bytes(good.read_bytes()[:60])
+    with pytest.raises(AppError, match="damaged or truncated"):
+        analyse(client, broken)
+    with pytest.raises(AppError, match="Upload an image"):
+        analyse(client, None)
+    assert client.predict(handle_file(str(good)), None, 1, False, api_name="/analyse")
+
+
+def test_bounded_load_on_loopback(server, samples):
+    result = run_load(server, samples[0].path.read_bytes(), clients=4, requests=24)
+    assert result.failures == [] and len(result.latencies) == 24
+    assert result.throughput > 0 and result.percentile(95) >= result.percentile(50) > 0
+    with pytest.raises(ValueError, match="loopback"):
+        run_load("http://192.0.2.1:80", b"", clients=1, requests=1)
+
+
+def test_command_line_refuses_a_missing_model(tmp_path, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--model", str(tmp_path / "no.onnx"), "--port", "1"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "no model at" in err and "export/to_onnx.py" in err
