@@ -6,13 +6,15 @@ from __future__ import annotations
 import csv
 import json
 import math
+import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from rstmodel import RSTElement, act_on_features, create_model, save_checkpoint
-from train import equivariance, stability
+from train import equivariance, ood, reproduce, stability
 from train.experiments import parse_element, stages_of, synthetic_images
 
 QUARTER = RSTElement(math.pi / 2, 0.0)
@@ -189,3 +191,71 @@ def test_stability_cli_smoke(tmp_path, checkpoint):
 def test_stages_refuse_a_plain_cnn():
     with pytest.raises(ValueError, match="RST-CNN"):
         stages_of(create_model("cnn"), None)
+
+
+# ---------------------------------------------------------------- accuracy tables and OOD
+
+
+def write_idx(path: Path, array: np.ndarray) -> None:
+    header = bytes([0, 0, 0x08, array.ndim]) + struct.pack(f">{array.ndim}I", *array.shape)
+    path.write_bytes(header + array.astype(np.uint8).tobytes())
+
+
+@pytest.fixture(scope="module")
+def idx_source(tmp_path_factory) -> Path:
+    """300 random 28x28 images and labels as the four IDX files of a Fashion-MNIST folder."""
+    root = tmp_path_factory.mktemp("idx")
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, size=(300, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, size=300, dtype=np.uint8)
+    write_idx(root / "train-images-idx3-ubyte", images[:240])
+    write_idx(root / "train-labels-idx1-ubyte", labels[:240])
+    write_idx(root / "t10k-images-idx3-ubyte", images[240:])
+    write_idx(root / "t10k-labels-idx1-ubyte", labels[240:])
+    return root
+
+
+def test_shrink_keeps_the_image_centred():
+    images = np.zeros((1, 56, 56), dtype=np.uint8)
+    images[0, 26:30, 26:30] = 200  # a 4x4 square at the centre
+    small = reproduce.shrink(images, 32)
+    assert small.shape == (1, 32, 32) and small.dtype == np.uint8
+    assert (small[0, 15:17, 15:17] == 200).all() and small.sum() == 4 * 200
+    assert reproduce.shrink(images, 56) is images
+
+
+def test_reproduce_smoke(tmp_path, idx_source, monkeypatch):
+    monkeypatch.setenv("RSTCNN_DATA", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    args = ["--data", "rs-fashion", "--budget", "smoke", "--models", "cnn", "rst_cnn_fb"]
+    args += ["--data-root", str(idx_source), "--out", str(out), "--threads", "1"]
+    assert reproduce.main(args) == 0
+    root = out / "rs-fashion" / "smoke"
+    rows = read_csv(root / "results.csv")
+    assert {(r["model"], r["augment"]) for r in rows} == {
+        (m, a) for m in ("cnn", "rst_cnn_fb") for a in ("False", "True")
+    }
+    assert all(r["input_size"] == "32" and 0 <= float(r["test_acc"]) <= 100 for r in rows)
+    table = (root / "table.md").read_text()
+    assert "reduced budget" in table and "| cnn | rs-fashion | 64 |" in table
+    assert (root / "accuracy.png").stat().st_size > 1000
+    # finished runs are skipped: a second call trains nothing and rewrites the same table
+    stamp = (root / "cnn-64-t0" / "summary.json").stat().st_mtime_ns
+    assert reproduce.main(args) == 0
+    assert (root / "cnn-64-t0" / "summary.json").stat().st_mtime_ns == stamp
+    assert (root / "table.md").read_text() == table
+
+
+def test_ood_smoke(tmp_path, idx_source, monkeypatch):
+    monkeypatch.setenv("RSTCNN_DATA", str(tmp_path / "cache"))
+    out = tmp_path / "ood"
+    args = ["--budget", "smoke", "--data-root", str(idx_source), "--out", str(out)]
+    assert ood.main([*args, "--threads", "1"]) == 0
+    rows = read_csv(out / "fashion" / "smoke" / "ood.csv")
+    assert [r["model"] for r in rows] == ["cnn", "rst_cnn_fb"]
+    for r in rows:
+        for key in ("test_acc", "test_ood_acc", "test_rs_acc"):
+            assert 0 <= float(r[key]) <= 100
+    summary = json.loads((out / "fashion" / "smoke" / "cnn" / "summary.json").read_text())
+    assert summary["data"] == "fashion-upright" and summary["test_ood_acc"] is not None
+    assert "OOD" in (out / "fashion" / "smoke" / "ood.md").read_text()

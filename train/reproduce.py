@@ -1,0 +1,447 @@
+"""Paper Tables 1-2: every model on RS-MNIST or RS-Fashion, N_tr 2000 / 5000, with and without
+RST augmentation, over trials; mean +- std beside the paper's numbers.
+
+    python train/reproduce.py --data rs-fashion --budget reduced --jobs 2
+    python train/reproduce.py --data rs-mnist --budget full --device cuda    # the paper's protocol
+    python train/reproduce.py --data rs-fashion --budget smoke               # seconds (CI)
+
+Models: cnn, rot_cnn, scale_cnn, rst_cnn_fb, rst_cnn_sl, rst_cnn_plus_fb, rst_cnn_plus_sl.
+Budgets (``BUDGETS``):
+
+- ``full``: the paper's protocol: the registered (~500K / 1.6M parameter) models, 56x56 images,
+  60 epochs, Adam lr 0.01 with a tenfold decay after 30, batch 128, 2,000 validation images,
+  every remaining image tested, 5 trials (trial i: realisation i, seed i). A GPU job.
+- ``reduced``: what 2 CPU cores do in well under an hour per data set: every model shrunk to
+  ~20K parameters (channels (c, 2c, 3c), FC 64), images reduced 2x (56 -> 28 by 2x2 averaging,
+  the resolution the RS data was made at, zero-padded to 32 so three 2x2 poolings stay exact),
+  fewer epochs, 1,000 validation and 2,000 test images, one trial. Its numbers rank the models
+  under equal budgets; they are not the paper's numbers.
+- ``smoke``: tiny widths, 64 training images, one epoch (CI).
+
+Each run is a train/run.py trial in ``--out/<data>/<model>-<N_tr>[-aug]-t<trial>`` (metrics.jsonl,
+best.pt, last.pt, summary.json); finished runs (summary.json) are skipped and unfinished ones
+resume from last.pt, so the command can be stopped and started again. ``--jobs N`` trains N
+runs at once, one torch thread each by default. Writes ``table.md`` (train/report.py's mean +-
+std beside the paper), ``results.csv``, ``accuracy.png`` and ``protocol.md`` into
+``--out/<data>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as futures
+import contextlib
+import json
+import logging
+import multiprocessing
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torchvision.transforms import v2
+from tqdm import tqdm
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rstmodel import create_model
+from rstmodel.data import ArrayDataset, RandomRST, RSConfig, load_rs
+from train import report, run
+from train.experiments import plt, write_csv
+
+log = logging.getLogger("reproduce")
+
+MODELS = (
+    "cnn",
+    "rot_cnn",
+    "scale_cnn",
+    "rst_cnn_fb",
+    "rst_cnn_sl",
+    "rst_cnn_plus_fb",
+    "rst_cnn_plus_sl",
+)
+# ~20K parameters each at 32x32 with a 64-unit FC layer (channels (c, 2c, 3c), c fitted)
+REDUCED_WIDTHS = {
+    "cnn": (6, 12, 18),
+    "rot_cnn": (13, 26, 39),
+    "scale_cnn": (13, 26, 39),
+    "rst_cnn_fb": (13, 26, 39),
+    "rst_cnn_sl": (16, 32, 47),
+    "rst_cnn_plus_fb": (7, 14, 20),
+    "rst_cnn_plus_sl": (8, 16, 25),
+}
+SMOKE_WIDTHS = dict.fromkeys(MODELS, (2, 3, 4))
+# training time per image relative to rst_cnn_fb at the reduced widths (2-core CPU, measured
+# with train/reproduce.py --measure); only the ETA uses it
+RELATIVE_COST = {
+    "cnn": 0.02,
+    "rot_cnn": 0.25,
+    "scale_cnn": 0.12,
+    "rst_cnn_fb": 1.0,
+    "rst_cnn_sl": 1.3,
+    "rst_cnn_plus_fb": 1.0,
+    "rst_cnn_plus_sl": 1.3,
+}
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much of the paper's protocol to run."""
+
+    image_size: int  # 56: as prepared; less: 2x reduced (28) and zero-padded to this size
+    epochs: dict[int, int]  # per N_tr
+    trials: int
+    val_size: int
+    test_size: int | None  # None: every image not used for training or validation
+    widths: dict[str, tuple[int, ...]] | None  # None: the registered models
+    hidden: int | None = None
+    train_sizes: tuple[int, ...] = (2000, 5000)
+    batch_size: int = 128
+
+
+BUDGETS = {
+    "full": Budget(56, {2000: 60, 5000: 60}, 5, 2000, None, None),
+    "reduced": Budget(32, {2000: 6, 5000: 3}, 1, 1000, 2000, REDUCED_WIDTHS, hidden=64),
+    "smoke": Budget(
+        32, {64: 1}, 1, 32, 32, SMOKE_WIDTHS, hidden=8, train_sizes=(64,), batch_size=32
+    ),
+}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    model: str
+    train_size: int
+    augment: bool
+    trial: int
+
+    @property
+    def name(self) -> str:
+        aug = "-aug" if self.augment else ""
+        return f"{self.model}-{self.train_size}{aug}-t{self.trial}"
+
+
+# ---------------------------------------------------------------- data
+
+
+def shrink(images: np.ndarray, size: int) -> np.ndarray:
+    """uint8 [N, 56, 56] -> uint8 [N, size, size]: 2x2 means (28x28), zero-padded to ``size``."""
+    if size == images.shape[-1]:
+        return images
+    half = images.shape[-1] // 2
+    if size < half or (size - half) % 2:
+        raise ValueError(f"image size {size} must be {images.shape[-1]} or >= {half}, even pad")
+    small = F.avg_pool2d(torch.from_numpy(images[:, None]).float(), 2)  # [N, 1, 28, 28]
+    pad = (size - half) // 2
+    small = F.pad(small, (pad, pad, pad, pad))
+    return small[:, 0].round().clamp(0, 255).to(torch.uint8).numpy()
+
+
+def load_data(args: argparse.Namespace, budget: Budget, data_root: Path | None) -> run.TrainData:
+    """train/run.py's RS data (same splits, normalisation and augmentation) at the budget's
+    image size and validation / test sizes."""
+    if budget.image_size == 56 and budget.test_size is None:
+        return run.load_rs_data(args)
+    rs = load_rs(RSConfig(args.data, realisation=args.realization), data_root=data_root)
+    rest = rs.images.shape[0] - args.train_size - args.val_size
+    test_size = rest if budget.test_size is None else min(budget.test_size, rest)
+    splits = rs.split(args.train_size, num_val=args.val_size, num_test=test_size)
+    train_images = shrink(splits.train.images, budget.image_size)
+    mean, std = run.channel_stats(train_images)
+    normalize = v2.Normalize(mean, std)
+    train_transform = v2.Compose([RandomRST(), normalize]) if args.augment else normalize
+    evals = {
+        "val": ArrayDataset(
+            shrink(splits.val.images, budget.image_size), splits.val.labels, normalize
+        ),
+        "test": ArrayDataset(
+            shrink(splits.test.images, budget.image_size), splits.test.labels, normalize
+        ),
+    }
+    return run.TrainData(
+        train=ArrayDataset(train_images, splits.train.labels, train_transform),
+        evals=evals,
+        class_names=run.CLASS_NAMES[args.data],
+        in_channels=1,
+        input_size=budget.image_size,
+        mean=mean,
+        std=std,
+        description=(
+            f"{args.data} realisation {args.realization} from {rs.path}, "
+            f"{budget.image_size}x{budget.image_size} (2x reduced, zero-padded)"
+        ),
+    )
+
+
+# ---------------------------------------------------------------- runs
+
+
+def plan(budget: Budget, models: list[str], augment: list[bool], trials: int) -> list[RunSpec]:
+    return [
+        RunSpec(m, n, a, t)
+        for t in range(trials)
+        for n in budget.train_sizes
+        for a in augment
+        for m in models
+    ]
+
+
+def run_argv(spec: RunSpec, budget: Budget, opts: dict[str, Any]) -> list[str]:
+    """train/run.py's command line for one run."""
+    argv = ["--model", spec.model, "--data", opts["data"], "--train-size", str(spec.train_size)]
+    argv += ["--val-size", str(budget.val_size), "--epochs", str(budget.epochs[spec.train_size])]
+    argv += ["--batch-size", str(budget.batch_size), "--realization", str(spec.trial)]
+    argv += ["--seed", str(spec.trial), "--out", str(opts["root"] / spec.name), "--resume"]
+    argv += ["--device", opts["device"]]
+    if budget.test_size is not None:
+        argv += ["--limit-test", str(budget.test_size)]
+    if opts["data_root"] is not None:
+        argv += ["--data-root", str(opts["data_root"])]
+    if spec.augment:
+        argv.append("--augment")
+    if budget.widths is not None:
+        argv += ["--model-arg", f"channels={budget.widths[spec.model]!r}"]
+    if budget.hidden is not None:
+        argv += ["--model-arg", f"hidden={budget.hidden}"]
+    return argv
+
+
+def run_one(spec: RunSpec, budget: Budget, opts: dict[str, Any]) -> dict[str, Any]:
+    """Train (or resume) one run and return its summary.json."""
+    if opts["threads"]:
+        torch.set_num_threads(opts["threads"])
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
+    args = run.parse_args(run_argv(spec, budget, opts))
+    return train_trial(args, lambda: load_data(args, budget, opts["data_root"]))[1]
+
+
+def train_trial(args: argparse.Namespace, data) -> tuple[run.Trial, dict[str, Any]]:
+    """One train/run.py trial on ``data()`` (a run.TrainData, built under the folder lock)
+    in ``args.out``, logged to its train.log; resumes from last.pt, returns the summary."""
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(out / "train.log", encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    train_log = logging.getLogger("train")
+    level = train_log.level
+    train_log.setLevel(logging.INFO)
+    train_log.addHandler(handler)
+    try:
+        with run.folder_lock(out):
+            device = run.pick_device(args.device)
+            trial = run.Trial(
+                args, data(), seed=args.seed, out=out, device=device, stop=run.StopRequest()
+            )
+            return trial, trial.run()
+    finally:
+        train_log.removeHandler(handler)
+        handler.close()
+        train_log.setLevel(level)
+
+
+def run_cost(spec: RunSpec, budget: Budget) -> float:
+    """Relative training cost, for the ETA."""
+    epochs = budget.epochs[spec.train_size]
+    images = epochs * (spec.train_size + budget.val_size / 2) + (budget.test_size or 50000) / 2
+    return images * RELATIVE_COST.get(spec.model, 1.0)
+
+
+def finished(root: Path, spec: RunSpec) -> dict[str, Any] | None:
+    path = root / spec.name / "summary.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def run_all(specs: list[RunSpec], budget: Budget, opts: dict[str, Any], jobs: int) -> list[dict]:
+    """Every run not finished yet, ``jobs`` at a time, the costliest first; an ETA bar."""
+    done = {s: finished(opts["root"], s) for s in specs}
+    todo = sorted((s for s in specs if done[s] is None), key=lambda s: -run_cost(s, budget))
+    log.info("%d runs: %d finished, %d to go", len(specs), len(specs) - len(todo), len(todo))
+    total = sum(run_cost(s, budget) for s in todo)
+    bar = tqdm(total=round(total), desc="runs (cost-weighted ETA)", unit="u", dynamic_ncols=True)
+    began = time.perf_counter()
+
+    def record(spec: RunSpec, summary: dict[str, Any]) -> None:
+        done[spec] = summary
+        bar.update(round(run_cost(spec, budget)))
+        log.info(
+            "%s: test %.2f %% (%.0f s); %d to go, %.0f s elapsed",
+            spec.name,
+            100 * summary["test_acc"],
+            summary.get("session_seconds", 0.0),
+            sum(v is None for v in done.values()),
+            time.perf_counter() - began,
+        )
+
+    with contextlib.closing(bar):
+        if jobs <= 1:
+            for spec in todo:
+                record(spec, run_one(spec, budget, opts))
+        else:
+            context = multiprocessing.get_context("spawn")
+            with futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+                running = {pool.submit(run_one, s, budget, opts): s for s in todo}
+                for future in futures.as_completed(running):
+                    record(running[future], future.result())
+    return [done[s] for s in specs]
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def results_rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    for s in summaries:
+        paper = report.paper_accuracy(s["model"], s["data"], s["train_size"], s["augment"], "test")
+        rows.append(
+            {
+                "model": s["model"],
+                "data": s["data"],
+                "train_size": s["train_size"],
+                "augment": s["augment"],
+                "seed": s["seed"],
+                "realization": s["realization"],
+                "epochs": s["epochs"],
+                "params": s["num_params"],
+                "input_size": s["config"]["input_size"],
+                "test_images": s.get("test_size"),
+                "test_acc": 100 * s["test_acc"],
+                "best_epoch": s["best_epoch"],
+                "train_seconds": s["train_seconds"],
+                "paper_acc": "" if paper is None else paper[0],
+            }
+        )
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], data: str, budget_name: str, path: Path) -> None:
+    pyplot = plt()
+    models = [m for m in MODELS if any(r["model"] == m for r in rows)]
+    settings = sorted({(r["train_size"], r["augment"]) for r in rows})
+    fig, ax = pyplot.subplots(figsize=(max(6.0, 1.3 * len(models) + 2), 4.2))
+    width = 0.8 / max(len(settings), 1)
+    for i, (size, aug) in enumerate(settings):
+        accs, errs, papers = [], [], []
+        for m in models:
+            vals = [
+                r["test_acc"]
+                for r in rows
+                if (r["model"], r["train_size"], r["augment"]) == (m, size, aug)
+            ]
+            accs.append(float(np.mean(vals)) if vals else np.nan)
+            errs.append(float(np.std(vals)) if vals else 0.0)
+            paper = report.paper_accuracy(m, data, size, aug, "test")
+            papers.append(np.nan if paper is None else paper[0])
+        xs = np.arange(len(models)) + (i - (len(settings) - 1) / 2) * width
+        label = f"N_tr = {size}{', augmented' if aug else ''}"
+        bars = ax.bar(xs, accs, width, yerr=errs, capsize=2, label=label)
+        ax.plot(xs, papers, "_", color=bars.patches[0].get_facecolor(), markersize=12, mew=2)
+    ax.plot([], [], "_", color="gray", markersize=12, mew=2, label="paper (same colour)")
+    ax.set_xticks(np.arange(len(models)), models, rotation=20, ha="right")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(f"{data}, budget '{budget_name}': test accuracy by model (bars: this code)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot.close(fig)
+
+
+def protocol_text(args: argparse.Namespace, budget: Budget) -> str:
+    params = {}
+    for m in args.models:
+        overrides = {"input_size": budget.image_size}
+        if budget.widths is not None:
+            overrides["channels"] = budget.widths[m]
+        if budget.hidden is not None:
+            overrides["hidden"] = budget.hidden
+        params[m] = sum(p.numel() for p in create_model(m, **overrides).parameters())
+    lines = [
+        f"# {args.data}, budget `{args.budget}`",
+        "",
+        f"Command: `python train/reproduce.py --data {args.data} --budget {args.budget}"
+        f" --jobs {args.jobs}`",
+        "",
+        f"- images {budget.image_size}x{budget.image_size}"
+        + (" (2x reduced to 28x28, zero-padded)" if budget.image_size != 56 else ""),
+        f"- epochs per N_tr {budget.epochs}; Adam lr 0.01, tenfold decay after half; "
+        f"batch {budget.batch_size}",
+        f"- validation {budget.val_size} images (best epoch), test "
+        + ("all remaining" if budget.test_size is None else f"{budget.test_size}")
+        + f" images; trials {args.trials}; augmentation {args.augment}",
+        "- parameters: " + ", ".join(f"{m} {n:,}" for m, n in params.items()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--data", required=True, choices=("rs-mnist", "rs-fashion"))
+    parser.add_argument("--budget", choices=tuple(BUDGETS), default="reduced")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument(
+        "--augment",
+        choices=("both", "no", "yes"),
+        default="both",
+        help="with and/or without RST augmentation",
+    )
+    parser.add_argument("--trials", type=int, default=None, help="trials (budget default)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs trained at once")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per run")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--data-root", type=Path, default=None, help="RS source files")
+    parser.add_argument("--out", type=Path, default=Path("outputs/reproduce"))
+    args = parser.parse_args(argv)
+    args.trials = args.trials or BUDGETS[args.budget].trials
+    if args.jobs < 1 or args.trials < 1:
+        parser.error("--jobs and --trials must be positive")
+    if args.threads is None:
+        args.threads = 1 if args.jobs > 1 else None
+    args.augment = {"both": [False, True], "no": [False], "yes": [True]}[args.augment]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"
+    )
+    budget = BUDGETS[args.budget]
+    root = args.out / args.data / args.budget
+    root.mkdir(parents=True, exist_ok=True)
+    opts = {
+        "data": args.data,
+        "root": root,
+        "device": args.device,
+        "data_root": args.data_root,
+        "threads": args.threads,
+    }
+    (root / "protocol.md").write_text(protocol_text(args, budget), encoding="utf-8")
+    (root / "budget.json").write_text(json.dumps(asdict(budget), default=str, indent=2), "utf-8")
+    specs = plan(budget, args.models, args.augment, args.trials)
+    try:
+        summaries = run_all(specs, budget, opts, args.jobs)
+    except (run.SetupError, run.TrainingError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    table = report.report(summaries)
+    (root / "table.md").write_text(table, encoding="utf-8")
+    rows = results_rows(summaries)
+    write_csv(root / "results.csv", rows)
+    plot(rows, args.data, args.budget, root / "accuracy.png")
+    print(table, end="")
+    log.info("wrote %s", root)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
