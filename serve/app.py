@@ -170,7 +170,7 @@ def build_ui(models: ModelSet, samples: Sequence[Sample], *, spec: SweepSpec) ->
             + " | ".join(models.display[name] for name in models.names),
             columns=6,  # one row per sweep
             format="png",
-            height="auto",
+            height=640,
             object_fit="contain",
             elem_id="sweep-gallery",
         )

@@ -6,8 +6,9 @@ the prepared image (the model's size, [0, 1]) followed by
 
 - rotation: ``act_on_image`` by 0..360 degrees about the centre (quarter turns are exact
   pixel permutations, the rest bilinear, zero fill);
-- scale: ``act_on_image`` by log-spaced factors, over the RS training range (0.3 to 1 of
-  the original object) and beyond, relative to the image as given;
+- scale: ``act_on_image`` by log-spaced factors (one of them exactly 1), over the RS
+  training range (0.3 to 1 of the original object) and beyond, relative to the image as
+  given;
 - deformation: ``D_tau x = x(u - tau(u))`` (paper eq. 10) along one seeded smooth random
   field ``tau`` scaled so that ``|grad tau|_inf`` runs from 0 to 0.2 (assumption A3: < 1/5).
 
@@ -80,9 +81,22 @@ class SweepSpec:
         """Sweep name -> parameter values (degrees, scale factors, |grad tau|_inf)."""
         return {
             "rotation": np.arange(self.rotation_steps) * (360.0 / self.rotation_steps),
-            "scale": np.geomspace(*self.scale_range, self.scale_steps),
+            "scale": self._scales(),
             "deformation": np.linspace(0.0, self.max_deformation, self.deformation_steps),
         }
+
+    def _scales(self) -> np.ndarray:
+        """Log-spaced factors; when the range holds 1, exactly 1 is one of them (the
+        unperturbed image) and each side of it is evenly log-spaced."""
+        low, high = self.scale_range
+        n = self.scale_steps
+        if n < 3 or not low < 1 < high:
+            return np.geomspace(low, high, n)
+        below, above = -math.log(low), math.log(high)
+        k = min(max(round((n - 1) * below / (below + above)), 1), n - 2)  # steps below 1
+        return np.exp(
+            np.concatenate([np.linspace(-below, 0, k + 1), np.linspace(0, above, n - k)[1:]])
+        )
 
     @property
     def batch_size(self) -> int:

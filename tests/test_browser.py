@@ -1,0 +1,97 @@
+"""The web app in a real browser: Debian's headless Chromium driven by Playwright.
+
+Opens the page served on 127.0.0.1, uploads a real test image, runs it, reads each model's
+predicted label from the page, checks that the stability plot and the thumbnails rendered,
+and that every request the page made went to 127.0.0.1. The screenshot is left in
+``$RSTCNN_ARTIFACTS`` (default ``tests/artifacts``). Chromium comes from ``scripts/setup.sh``
+(``apt-get install chromium``); Playwright never downloads a browser here.
+"""
+
+from __future__ import annotations
+
+import shutil
+from urllib.parse import urlparse
+
+import httpx
+import pytest
+from serving import artifacts_dir, gallery, live_server, tiny_onnx_models
+
+from serve.app import build_app
+from serve.stability import SweepSpec
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+FLAGS = [  # DESIGN.md section 7: what works on these machines
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+    "--disable-dev-shm-usage",
+]
+SPEC = SweepSpec(rotation_steps=24, scale_steps=8, deformation_steps=6)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    base = tmp_path_factory.getbasetemp()
+    samples = gallery(base)
+    assert samples, "no real test images: install dataset-fashion-mnist (scripts/setup.sh)"
+    app = build_app(tiny_onnx_models(base), samples_dir=samples[0].path.parent, spec=SPEC)
+    with live_server(app) as url:
+        yield url, samples
+
+
+def test_page_classifies_an_uploaded_test_image(server, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    assert shutil.which(CHROMIUM), "chromium is missing: run scripts/setup.sh as root"
+    url, samples = server
+    image = samples[3].path
+    expected = [
+        httpx.post(
+            f"{url}/v1/classify",
+            files={"image": ("x.png", image.read_bytes(), "image/png")},
+            data={"model": name},
+        ).json()["predictions"][0]["label"]
+        for name in ("rst_cnn_fb", "cnn")
+    ]
+    requested: list[str] = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.on("request", lambda request: requested.append(request.url))
+            page.goto(url + "/", wait_until="load")
+            page.wait_for_selector("#run", timeout=30_000)
+            page.set_input_files("#input-image input[type=file]", str(image))
+            page.wait_for_selector("#input-image img", timeout=30_000)
+            page.click("#run")
+            page.wait_for_selector("#stability-plot img", timeout=60_000)
+            page.wait_for_function(
+                "document.querySelectorAll('#sweep-gallery img').length >= 18", timeout=30_000
+            )
+            shown = [
+                page.inner_text(f"#label-{i} [data-testid=label-output-value]").strip()
+                for i in range(2)
+            ]
+            plot_width = page.eval_on_selector("#stability-plot img", "img => img.naturalWidth")
+            thumbs = page.eval_on_selector_all(
+                "#sweep-gallery img", "imgs => imgs.filter(i => i.naturalWidth > 0).length"
+            )
+            status = page.inner_text("#status")
+            summary = page.inner_text("#summary")
+            page.screenshot(path=str(artifacts_dir() / "web_app.png"), full_page=True)
+        finally:
+            browser.close()
+
+    assert shown == expected
+    assert plot_width > 600  # the matplotlib panel arrived as a decoded picture
+    assert thumbs >= 18
+    assert f"x {SPEC.batch_size} images, one batch per model" in status
+    assert "Stability" in summary and expected[0] in summary
+    hosts = {urlparse(u).hostname for u in requested if not u.startswith(("data:", "blob:"))}
+    assert hosts == {"127.0.0.1"}, f"the page fetched from {hosts}"
+    assert (artifacts_dir() / "web_app.png").stat().st_size > 10_000
