@@ -80,22 +80,17 @@ def cheaper_form(in_channels: int, out_channels: int, num_funcs: int, kernel: in
 
 def bake(model: nn.Module, example: Tensor | None = None) -> fx.GraphModule:
     """Plain-torch eval-mode copy of ``model`` (see the module docstring).
+    x [B, C, H, W] -> logits [B, classes].
 
-    ``example``: one input batch for shape propagation; by default a zero image of the
-    model's ``config`` (``in_channels``, ``input_size``). x [B, C, H, W] -> logits [B, classes].
+    ``example``: an input batch, needed only to fix adaptive pools to static ones; by
+    default a zero image of the model's ``config`` (``in_channels``, ``input_size``).
     """
     net = copy.deepcopy(model).eval()
-    param = next(net.parameters())
-    if example is None:
-        config = net.config
-        size = config.input_size
-        example = torch.zeros(1, config.in_channels, size, size)
-    example = example.to(device=param.device, dtype=param.dtype)
     entry = "logits" if hasattr(net, "logits") else "forward"
     with torch.no_grad():
         graph = _trace_layers(net, entry)
         if any(isinstance(m, nn.AdaptiveMaxPool2d) for m in graph.modules()):
-            ShapeProp(graph).propagate(example)
+            ShapeProp(graph).propagate(_example(net, example))
         _drop_identities(graph)
         _fold_norms(graph)
         _swap_layers(graph, _group_order(net))
@@ -106,13 +101,23 @@ def bake(model: nn.Module, example: Tensor | None = None) -> fx.GraphModule:
     return baked.eval()
 
 
+def _example(net: nn.Module, example: Tensor | None) -> Tensor:
+    param = next(net.parameters())
+    if example is None:
+        config = getattr(net, "config", None)
+        if config is None:
+            raise ValueError(f"bake({type(net).__name__}) needs an example input batch")
+        example = torch.zeros(1, config.in_channels, config.input_size, config.input_size)
+    return example.to(device=param.device, dtype=param.dtype)
+
+
 # ---------------------------------------------------------------- tracing
 
 
 class _Root(nn.Module):
     """Tracing scaffold: calls ``net.<entry>(x)``; never part of a baked module."""
 
-    def __init__(self, net: nn.Module, entry: str = "forward"):
+    def __init__(self, net: nn.Module, entry: str):
         super().__init__()
         self.net = net
         self.entry = entry
@@ -351,9 +356,7 @@ class _BakedLifting(nn.Module):
                 filt = torch.einsum("oik,krxy->roixy", a, basis).flatten(0, 1)
                 self.convs.append(_static_conv(filt, None if bias is None else bias.repeat(rot)))
             else:
-                bank = basis.transpose(0, 1).reshape(
-                    rot * nk, 1, *basis.shape[-2:]
-                )  # [R*K, 1, ks, ks]
+                bank = basis.transpose(0, 1).flatten(0, 1).unsqueeze(1)  # [R*K, 1, ks, ks]
                 self.convs.append(_static_conv(bank))
         self.mix = None
         if BASIS in self.forms:
