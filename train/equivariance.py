@@ -128,7 +128,9 @@ def random_stack(config: StackConfig, *, seed: int, input_size: int = 56) -> Sta
             scale_taps=config.scale_taps,
         )
         stages.append(nn.Sequential(conv, nn.ReLU()))
-    return Stages(stages, scale_step=config.scale_step, input_size=input_size).eval()
+    # no batch norm or dropout: train mode only keeps the layers from caching filter spectra
+    # (~1 GB per layer at 9 scales and L_alpha = 3)
+    return Stages(stages, scale_step=config.scale_step, input_size=input_size).train()
 
 
 def transform_features(x: Tensor, g: RSTElement, scale_step: float, *, mode: str) -> Tensor:
@@ -146,11 +148,29 @@ def equivariance_errors(
     scale_index: int = 0,
     mode: str = "bilinear",
     feature_action: FeatureAction | None = None,
+    batch_size: int = 2,
 ) -> Tensor:
-    """Eq. 14 per layer and image at (theta index, alpha index).
+    """Eq. 14 per layer and image at (theta index, alpha index), ``batch_size`` images at a
+    time (Figure 3's unpooled maps take ~1 GB per image).
 
     images [B, Cin, N, N] -> relative errors [L, B]. ``feature_action(x, g_l, scale_step)``
     replaces D_g on the feature maps (a test hook for a deliberately wrong action)."""
+    chunks = [
+        _errors(stages, part, g, rotation_index, scale_index, mode, feature_action)
+        for part in images.split(batch_size)
+    ]
+    return torch.cat(chunks, dim=1)
+
+
+def _errors(
+    stages: Stages,
+    images: Tensor,
+    g: RSTElement,
+    rotation_index: int,
+    scale_index: int,
+    mode: str,
+    feature_action: FeatureAction | None,
+) -> Tensor:
     act = feature_action or (lambda x, h, step: transform_features(x, h, step, mode=mode))
     plain = stage_outputs(stages, images)
     moved = stage_outputs(stages, act_on_image(images, g, mode=mode))

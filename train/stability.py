@@ -255,7 +255,11 @@ def measure(
     for g in elements:
         for t in args.grad_tau:
             generator = torch.Generator().manual_seed(args.seed + round(1e6 * t))
-            out = stability_errors(stages, images, g, t, generator, mode=args.interpolation)
+            parts = [
+                stability_errors(stages, part, g, t, generator, mode=args.interpolation)
+                for part in images.split(8)  # bounded memory
+            ]
+            out = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
             for i in range(images.shape[0]):
                 rows.append(
                     {
