@@ -1,6 +1,3 @@
-"""Deployment: ``bake`` (plain torch), ONNX export and its parity check, TensorRT engines,
-inference benchmarks. ``export.bake(model)`` is ``export.bake.bake``."""
-
-from .bake import bake
-
-__all__ = ["bake"]
+"""Deployment: ``export.bake.bake`` (plain torch), ONNX export and its parity check
+(``export/to_onnx.py``), TensorRT engines (``export/to_tensorrt.py``), inference
+benchmarks (``python -m export.bench``)."""

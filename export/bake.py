@@ -420,9 +420,8 @@ class _BakedGroupConv(nn.Module):
             self.mix = _static_conv(a.reshape(cout, taps * cin * nk, 1, 1), bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        blocks = x.unflatten(0, (self.scales * self.rotations, -1)).unbind(
-            0
-        )  # [B, Cin, H, W] per (s, r)
+        # [S*R*B, Cin, H, W] -> [B, Cin, H, W] per (s, r)
+        blocks = x.unflatten(0, (self.scales * self.rotations, -1)).unbind(0)
         out = []
         for s, (form, per_rotation) in enumerate(zip(self.forms, self.convs, strict=True)):
             for r, conv in enumerate(per_rotation):
