@@ -325,8 +325,10 @@ def aggregate(rows: list[dict]) -> list[dict]:
 
 def plot(summary: list[dict], path: Path, title: str) -> None:
     pyplot = plt()
-    panels = sorted({(r["model"], r["K"]) for r in summary})
-    fig, axes = pyplot.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
+    panels = sorted({(r["model"], r["K"]) for r in summary}, key=lambda p: (p[1], p[0]))
+    fig, axes = pyplot.subplots(
+        1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False, sharey=True
+    )
     for ax, (model, k) in zip(axes[0], panels, strict=True):
         for la in sorted({r["L_alpha"] for r in summary if r["K"] == k and r["model"] == model}):
             pts = [r for r in summary if (r["model"], r["K"], r["L_alpha"]) == (model, k, la)]
@@ -340,6 +342,7 @@ def plot(summary: list[dict], path: Path, title: str) -> None:
             )
         ax.set_title(f"{model}" if model != f"K={k}" else f"K = {k} FB modes")
         ax.set_xlabel("layer l")
+        ax.set_yscale("log")
         ax.set_ylabel("relative equivariance error (eq. 14)")
         ax.set_xticks(sorted({r["layer"] for r in summary}))
         ax.grid(alpha=0.3)

@@ -197,8 +197,11 @@ def parse_element(text: str) -> RSTElement:
 
 def format_element(g: RSTElement) -> str:
     turns = g.angle / math.pi
-    angle = f"{turns:g}pi" if abs(turns * 8 - round(turns * 8)) < 1e-9 else f"{g.angle:.4g}"
-    return f"({angle}, {g.log2_scale:g}, ({g.shift[0]:g}, {g.shift[1]:g}))"
+    if abs(turns * 8 - round(turns * 8)) > 1e-9:
+        angle = f"{g.angle:.4g}"
+    else:
+        angle = "0" if turns == 0 else f"{turns:g}pi"
+    return f"({angle}, {g.log2_scale:.4g}, ({g.shift[0]:g}, {g.shift[1]:g}))"
 
 
 def element_on_map(g: RSTElement, map_size: int, input_size: int) -> RSTElement:
