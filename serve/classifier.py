@@ -100,6 +100,14 @@ class Classifier:
         providers: Sequence[str],
     ):
         self.metadata = _decode_metadata(metadata)
+        try:
+            self._read_metadata()
+        except (TypeError, KeyError, AttributeError) as err:
+            raise ValueError(f"malformed rstcnn metadata ({type(err).__name__}: {err})") from None
+        self.providers = list(providers)
+        self._run = run
+
+    def _read_metadata(self) -> None:
         self.name = str(self.metadata.get(_PREFIX + "model", "model"))
         self.class_names = [str(c) for c in self.metadata[_PREFIX + "class_names"]]
         size = self.metadata[_PREFIX + "input_size"]
@@ -113,8 +121,6 @@ class Classifier:
         self._std = np.asarray(norm["std"], dtype=np.float32).reshape(1, -1, 1, 1)
         if self._mean.size != channels or self._std.size != channels or (self._std <= 0).any():
             raise ValueError(f"metadata normalization needs {channels} means and positive stds")
-        self.providers = list(providers)
-        self._run = run
 
     def __repr__(self) -> str:
         return (

@@ -273,6 +273,21 @@ def test_run_logits_checks_its_batch():
     assert not run.calls
 
 
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("rstcnn.input_size", "[1, 56]"),
+        ("rstcnn.input_size", "7"),
+        ("rstcnn.normalization", '{"mean": [0.5]}'),
+        ("rstcnn.normalization", '{"mean": [0.5], "std": [0.0]}'),
+        ("rstcnn.class_names", "not json"),
+    ],
+)
+def test_malformed_metadata_is_refused(key, value):
+    with pytest.raises(ValueError, match="metadata"):
+        Classifier(Recorder(), {**metadata(), key: value}, ["fake"])
+
+
 def test_pixel_limit_is_a_documented_module_constant():
     assert MAX_PIXELS == clf_mod.MAX_PIXELS and 10_000_000 <= MAX_PIXELS < 100_000_000
     assert "MAX_PIXELS" in clf_mod.__doc__
