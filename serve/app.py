@@ -22,12 +22,11 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 import argparse
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import gradio as gr
-import numpy as np
 from fastapi import FastAPI
 
 from rstmodel.data import default_cache_dir
@@ -177,8 +176,10 @@ def build_ui(models: ModelSet, samples: Sequence[Sample], *, spec: SweepSpec) ->
         upload_tab.select(lambda: "upload", None, source, api_visibility="private")
         draw_tab.select(lambda: "draw", None, source, api_visibility="private")
 
-        def analyse(picture: Any, drawing: Any, k: float, inverted: bool, tab: str) -> list[Any]:
-            return _analyse(models, spec, picture, drawing, int(k), bool(inverted), tab)
+        def analyse(
+            picture: Any, drawing: Any, k: float, inverted: bool, tab: str
+        ) -> Iterator[list[Any]]:
+            yield from _analyse(models, spec, picture, drawing, int(k), bool(inverted), tab)
 
         run.click(
             analyse,
@@ -199,8 +200,9 @@ def _analyse(
     top_k: int,
     invert: bool,
     tab: str,
-) -> list[Any]:
-    """One UI request: decode, one batch per model, labels, summary, plot, thumbnails."""
+) -> Iterator[list[Any]]:
+    """One UI request: decode; the top-k of each model at once (one image per model);
+    then the sweeps (one batch per model), summary, plot and thumbnails."""
     drawn = tab == "draw"
     payload = (drawing or {}).get("composite") if drawn else picture
     path = payload.get("path") if isinstance(payload, dict) else payload
@@ -211,37 +213,34 @@ def _analyse(
         pixels = decode_image(read_file(str(path)), invert=invert or drawn)
     except UploadError as err:
         raise gr.Error(err.message, title="This file cannot be classified") from err
-    start = time.perf_counter()
+    height, width = pixels.shape[:2]
+    described = (
+        f"**Input** {width}x{height} {'grey' if pixels.ndim == 2 else 'colour'}"
+        f"{' (inverted)' if invert or drawn else ''}, resized for each model"
+    )
     try:
-        report = measure_stability(
-            [clf for _, clf in models], pixels, spec=spec, names=models.names
-        )
+        top = [clf.predict(pixels, top_k=top_k)[0] for _, clf in models]
     except ValueError as err:
         raise gr.Error(str(err), title="This image cannot be classified") from err
-    seconds = time.perf_counter() - start
-    names = models.display
-    height, width = pixels.shape[:2]
-    channels = "grey" if pixels.ndim == 2 else "colour"
-    status = (
-        f"**Input** {width}x{height} {channels}{' (inverted)' if invert or drawn else ''}, "
-        f"resized for each model; {len(models)} models x {spec.batch_size} images, "
-        f"one batch per model, in {seconds:.2f} s."
-    )
-    label_values = [
-        {clf.class_names[i]: float(m.probabilities[i]) for i in _top(m.probabilities, top_k)}
-        for m, (_, clf) in zip(report.models, models, strict=True)
+    labels = [{p.label: p.score for p in predictions} for predictions in top]
+    yield [
+        f"{described}; sweeping {spec.batch_size} images per model...",
+        *labels,
+        "",
+        None,
+        None,
     ]
-    return [
-        status,
-        *label_values,
-        _summary(report, names),
-        plot_report(report, display_names=names),
+    start = time.perf_counter()
+    report = measure_stability([clf for _, clf in models], pixels, spec=spec, names=models.names)
+    seconds = time.perf_counter() - start
+    yield [
+        f"{described}; {len(models)} models x {spec.batch_size} images, one batch per model, "
+        f"in {seconds:.1f} s.",
+        *labels,
+        _summary(report, models.display),
+        plot_report(report, display_names=models.display),
         thumbnails(report),
     ]
-
-
-def _top(probabilities: np.ndarray, k: int) -> list[int]:
-    return [int(i) for i in np.argsort(-probabilities, kind="stable")[:k]]
 
 
 def _summary(report: StabilityReport, names: dict[str, str]) -> str:

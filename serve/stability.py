@@ -56,11 +56,11 @@ TRAIN_SCALE_RANGE = (0.3, 1.0)  # RS-MNIST / RS-Fashion object scales (paper Sec
 class SweepSpec:
     """What the stability panel sweeps over."""
 
-    rotation_steps: int = 36  # angles 0, 360/n, ... degrees
-    scale_range: tuple[float, float] = (0.2, 1.5)  # factors, log-spaced
-    scale_steps: int = 14
+    rotation_steps: int = 24  # angles 0, 360/n, ... degrees (every 15 degrees)
+    scale_range: tuple[float, float] = (0.2, 1.5)  # factors, log-spaced, 1 included
+    scale_steps: int = 12
     max_deformation: float = 0.2  # largest |grad tau|_inf
-    deformation_steps: int = 11  # 0 .. max_deformation, evenly spaced
+    deformation_steps: int = 6  # 0 .. max_deformation, evenly spaced
     seed: int = 0  # of the deformation field
 
     def __post_init__(self) -> None:

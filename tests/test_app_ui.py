@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import gradio as gr
 import httpx
 import numpy as np
 import pytest
@@ -14,7 +15,9 @@ from gradio_client.exceptions import AppError
 from PIL import Image
 from serving import gallery, grey, live_server, tiny_onnx_models
 
-from serve.app import build_app, main
+from serve import Classifier
+from serve.api import ModelSet
+from serve.app import _analyse, build_app, main
 from serve.loadtest import run_load
 from serve.stability import SweepSpec
 
@@ -119,3 +122,22 @@ def test_command_line_refuses_a_missing_model(tmp_path, capsys):
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert "no model at" in err and "export/to_onnx.py" in err
+
+
+def test_drawing_is_inverted_and_flattened_on_white(tmp_path, samples, tmp_path_factory):
+    """The Draw tab: dark strokes on a transparent canvas read as light strokes on black."""
+    models = ModelSet(
+        [Classifier.from_onnx(p) for p in tiny_onnx_models(tmp_path_factory.getbasetemp())]
+    )
+    pixels = grey(samples[6].path)
+    strokes = Image.merge("LA", [Image.new("L", (56, 56), 0), Image.fromarray(pixels)])
+    drawing = tmp_path / "drawing.png"
+    strokes.save(drawing)
+    steps = list(
+        _analyse(models, SPEC, None, {"composite": {"path": str(drawing)}}, 3, False, "draw")
+    )
+    assert len(steps) == 2 and "(inverted)" in steps[-1][0]
+    expected = models.get("cnn").predict(pixels, top_k=3)[0]
+    assert steps[-1][2] == pytest.approx({p.label: p.score for p in expected}, abs=2e-3)
+    with pytest.raises(gr.Error, match="Draw something first"):
+        list(_analyse(models, SPEC, None, {"composite": None}, 3, False, "draw"))
