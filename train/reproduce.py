@@ -11,11 +11,12 @@ Budgets (``BUDGETS``):
 - ``full``: the paper's protocol: the registered (~500K / 1.6M parameter) models, 56x56 images,
   60 epochs, Adam lr 0.01 with a tenfold decay after 30, batch 128, 2,000 validation images,
   every remaining image tested, 5 trials (trial i: realisation i, seed i). A GPU job.
-- ``reduced``: what 2 CPU cores do in well under an hour per data set: every model shrunk to
-  ~20K parameters (channels (c, 2c, 3c), FC 64), images reduced 2x (56 -> 28 by 2x2 averaging,
-  the resolution the RS data was made at, zero-padded to 32 so three 2x2 poolings stay exact),
-  fewer epochs, 1,000 validation and 2,000 test images, one trial. Its numbers rank the models
-  under equal budgets; they are not the paper's numbers.
+- ``reduced``: what 2 CPU cores do in about half an hour per data set: every model shrunk to
+  ~12K parameters (channels ~(c, 2c, 3c), FC 48), images reduced 2x (56 -> 28 by 2x2
+  averaging, the resolution the RS data was made at, zero-padded to 32 so three 2x2 poolings
+  stay exact), 4 / 2 epochs for N_tr 2000 / 5000 at batch 64, 500 validation and 1,500 test
+  images, one trial. Its numbers rank the models under equal budgets; they are not the
+  paper's numbers.
 - ``smoke``: tiny widths, 64 training images, one epoch (CI).
 
 Each run is a train/run.py trial in ``--out/<data>/<model>-<N_tr>[-aug]-t<trial>`` (metrics.jsonl,
@@ -65,15 +66,15 @@ MODELS = (
     "rst_cnn_plus_fb",
     "rst_cnn_plus_sl",
 )
-# ~20K parameters each at 32x32 with a 64-unit FC layer (channels (c, 2c, 3c), c fitted)
+# ~12K parameters each at 32x32 with a 48-unit FC layer (channels ~(c, 2c, 3c), c fitted)
 REDUCED_WIDTHS = {
-    "cnn": (6, 12, 18),
-    "rot_cnn": (13, 26, 39),
-    "scale_cnn": (13, 26, 39),
-    "rst_cnn_fb": (13, 26, 39),
-    "rst_cnn_sl": (16, 32, 47),
-    "rst_cnn_plus_fb": (7, 14, 20),
-    "rst_cnn_plus_sl": (8, 16, 25),
+    "cnn": (4, 9, 14),
+    "rot_cnn": (10, 20, 30),
+    "scale_cnn": (10, 20, 30),
+    "rst_cnn_fb": (10, 20, 30),
+    "rst_cnn_sl": (12, 24, 36),
+    "rst_cnn_plus_fb": (5, 10, 16),
+    "rst_cnn_plus_sl": (6, 13, 20),
 }
 SMOKE_WIDTHS = dict.fromkeys(MODELS, (2, 3, 4))
 # training time per image relative to rst_cnn_fb at the reduced widths (2-core CPU, measured
@@ -106,7 +107,9 @@ class Budget:
 
 BUDGETS = {
     "full": Budget(56, {2000: 60, 5000: 60}, 5, 2000, None, None),
-    "reduced": Budget(32, {2000: 6, 5000: 3}, 1, 1000, 2000, REDUCED_WIDTHS, hidden=64),
+    "reduced": Budget(
+        32, {2000: 4, 5000: 2}, 1, 500, 1500, REDUCED_WIDTHS, hidden=48, batch_size=64
+    ),
     "smoke": Budget(
         32, {64: 1}, 1, 32, 32, SMOKE_WIDTHS, hidden=8, train_sizes=(64,), batch_size=32
     ),
@@ -293,6 +296,49 @@ def run_all(specs: list[RunSpec], budget: Budget, opts: dict[str, Any], jobs: in
     return [done[s] for s in specs]
 
 
+def measure_throughput(budget: Budget, models: list[str], steps: int = 3) -> list[dict]:
+    """Training and eval images per second of each model at the budget's size and widths
+    (batch ``budget.batch_size``, the median of ``steps`` steps after a warm-up, random data)."""
+    rows = []
+    for name in tqdm(models, desc="throughput", unit="model"):
+        overrides: dict[str, Any] = {"input_size": budget.image_size}
+        if budget.widths is not None:
+            overrides["channels"] = budget.widths[name]
+        if budget.hidden is not None:
+            overrides["hidden"] = budget.hidden
+        torch.manual_seed(0)
+        model = create_model(name, **overrides)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        x = torch.randn(budget.batch_size, 1, budget.image_size, budget.image_size)
+        y = torch.randint(0, 10, (budget.batch_size,))
+        model.train()
+        times = []
+        for _ in range(steps + 1):
+            began = time.perf_counter()
+            loss = F.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            times.append(time.perf_counter() - began)
+        model.eval()
+        evals = []
+        with torch.inference_mode():
+            for _ in range(steps + 1):
+                began = time.perf_counter()
+                model(x)
+                evals.append(time.perf_counter() - began)
+        rows.append(
+            {
+                "model": name,
+                "params": sum(p.numel() for p in model.parameters()),
+                "train_img_per_s": budget.batch_size / float(np.median(times[1:])),
+                "eval_img_per_s": budget.batch_size / float(np.median(evals[1:])),
+                "threads": torch.get_num_threads(),
+            }
+        )
+    return rows
+
+
 # ---------------------------------------------------------------- outputs
 
 
@@ -400,6 +446,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--data-root", type=Path, default=None, help="RS source files")
     parser.add_argument("--out", type=Path, default=Path("outputs/reproduce"))
+    parser.add_argument(
+        "--measure", action="store_true", help="only measure each model's throughput"
+    )
     args = parser.parse_args(argv)
     args.trials = args.trials or BUDGETS[args.budget].trials
     if args.jobs < 1 or args.trials < 1:
@@ -418,6 +467,17 @@ def main(argv: list[str] | None = None) -> int:
     budget = BUDGETS[args.budget]
     root = args.out / args.data / args.budget
     root.mkdir(parents=True, exist_ok=True)
+    if args.measure:
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        rows = measure_throughput(budget, args.models)
+        write_csv(root / "throughput.csv", rows)
+        for r in rows:
+            print(
+                f"{r['model']:16s} {r['params']:>8,} params  train {r['train_img_per_s']:7.1f} "
+                f"img/s  eval {r['eval_img_per_s']:7.1f} img/s  ({r['threads']} threads)"
+            )
+        return 0
     opts = {
         "data": args.data,
         "root": root,
