@@ -178,10 +178,11 @@ def test_stability_errors_vanish_without_deformation(checkpoint):
 
 def test_stability_cli_smoke(tmp_path, checkpoint):
     out = tmp_path / "stab"
-    assert stability.main([str(checkpoint), "--budget", "smoke", "--out", str(out)]) == 0
+    args = [str(checkpoint), "--budget", "smoke", "--also", str(checkpoint), "--out", str(out)]
+    assert stability.main(args) == 0
     rows = read_csv(out / "stability.csv")
     models = {r["model"] for r in rows}
-    assert "random, K=3" in models and any("trained" in m for m in models)
+    assert "random, K=3" in models and sum("trained" in m for m in models) == 2
     bounds = json.loads((out / "stability_bounds.json").read_text())
     assert len(bounds["A"]) == 3 and bounds["radius"] == pytest.approx(10.0)
     assert (out / "stability.png").stat().st_size > 1000

@@ -19,8 +19,9 @@ layer-L filters at the smallest scale, in input pixels). It also reports the rel
 A_l computed from the model's own coefficients (see ``filter_bounds``).
 
 ``--compare-k``: the same architecture with K FB modes and random coefficients (several
-initialisations), to test the paper's claim that fewer low-frequency modes are more robust;
-their relative errors go beside the trained model's. Writes ``stability.csv``,
+initialisations), and ``--also``: more trained checkpoints (other K), to test the paper's
+claim that fewer low-frequency modes are more robust; their relative errors at the first
+element go beside the trained model's. Writes ``stability.csv``,
 ``stability_bounds.json`` (A_l, j_L), ``stability.png`` and ``stability.md`` into ``--out``.
 """
 
@@ -218,6 +219,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help='group elements "ETA,BETA[,VX,VY]" (default: identity, a quarter turn, '
         "(-pi/2, -scale step))",
     )
+    parser.add_argument(
+        "--also",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="more trained checkpoints (e.g. other K), measured at the first element",
+    )
     parser.add_argument("--compare-k", type=int, nargs="*", default=None, help="K of random peers")
     parser.add_argument("--inits", type=int, default=None, help="random peers per K")
     parser.add_argument(
@@ -276,7 +284,9 @@ def measure(
     return rows
 
 
-def aggregate(rows: list[dict], layers: int, radius: float) -> list[dict]:
+def aggregate(rows: list[dict], shapes: dict[str, tuple[int, float]]) -> list[dict]:
+    """Mean / max per (model, element, |grad tau|) with the bound of eq. 12; ``shapes``:
+    model name -> (L, 2**j_L)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["model"], r["element"], r["beta"], r["grad_tau"]), []).append(r)
@@ -285,6 +295,7 @@ def aggregate(rows: list[dict], layers: int, radius: float) -> list[dict]:
         lhs = torch.tensor([r["lhs"] for r in rs], dtype=torch.float64)
         rel = torch.tensor([r["relative"] for r in rs], dtype=torch.float64)
         tau = torch.tensor([r["tau_sup"] for r in rs], dtype=torch.float64)
+        layers, radius = shapes[model]
         bound = theorem_bound(beta, layers, t, tau, radius)
         out.append(
             {
@@ -402,13 +413,24 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoint": str(args.checkpoint),
     }
     log.info("A_l = %s", bounds["A"])
-    steps = len(elements) * len(args.grad_tau)
-    total = steps + len(args.compare_k) * args.inits * len(args.grad_tau)
+    steps = len(elements) + len(args.also) + len(args.compare_k) * args.inits
     trained = f"{meta.model_name} (trained, K={model.spec.num_funcs})"
-    with tqdm(total=total, desc="stability", unit="point", dynamic_ncols=True) as bar:
+    shape = (bounds["L"], bounds["radius"])
+    shapes = {trained: shape}
+    bar = tqdm(total=steps * len(args.grad_tau), desc="stability", unit="point")
+    with bar:
         rows = measure(trained, stages, images, elements, args, bar)
+        for path in args.also:
+            other_stages, other, other_meta = load_stages(path)
+            name = (
+                f"{other_meta.model_name} (trained, K={other.spec.num_funcs}, {path.parent.name})"
+            )
+            shapes[name] = (len(other.blocks), last_filter_radius(other))
+            bounds.setdefault("also", {})[str(path)] = filter_bounds(other, other_meta.std[0])
+            rows += measure(name, other_stages, images, elements[:1], args, bar)
         config = model.config  # peers: same architecture, K modes, random coefficients
         for k in args.compare_k:
+            shapes[f"random, K={k}"] = shape
             for init in range(args.inits):
                 torch.manual_seed(args.seed + init)
                 peer = create_model(meta.model_name, **peer_config(config), num_funcs=k).eval()
@@ -416,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows += measure(
                     f"random, K={k}", peer_stages, images, elements[:1], args, bar, init=init
                 )
-    summary = aggregate(rows, bounds["L"], bounds["radius"])
+    summary = aggregate(rows, shapes)
     seconds = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "stability_samples.csv", rows)
