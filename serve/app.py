@@ -48,7 +48,6 @@ log = logging.getLogger("serve.app")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODELS = ("models/rst_cnn_fb.onnx", "models/cnn.onnx")
-_TEXT = {"upload": "Upload", "draw": "Draw"}
 
 
 def _load(models: Sequence[str | Path | Any] | None, threads: int | None) -> list[Any]:
@@ -130,8 +129,9 @@ def build_ui(models: ModelSet, samples: Sequence[Sample], *, spec: SweepSpec) ->
                         )
                     with gr.Tab("Draw", id="draw") as draw_tab:
                         sketch = gr.Sketchpad(
-                            label="Draw dark on light (inverted for the models)",
+                            label="Pick the brush, draw dark on light (inverted for the models)",
                             canvas_size=(280, 280),
+                            brush=gr.Brush(default_size=20, colors=["#000000"], color_mode="fixed"),
                             type="filepath",
                             elem_id="sketch",
                         )

@@ -2,7 +2,8 @@
 
 Opens the page served on 127.0.0.1, uploads a real test image, runs it, reads each model's
 predicted label from the page, checks that the stability plot and the thumbnails rendered,
-and that every request the page made went to 127.0.0.1. The screenshot is left in
+draws a stroke on the Draw tab and runs that, and checks that every request the page made
+went to 127.0.0.1. The screenshot is left in
 ``$RSTCNN_ARTIFACTS`` (default ``tests/artifacts``). Chromium comes from ``scripts/setup.sh``
 (``apt-get install chromium``); Playwright never downloads a browser here.
 """
@@ -84,6 +85,7 @@ def test_page_classifies_an_uploaded_test_image(server, tmp_path):
             status = page.inner_text("#status")
             summary = page.inner_text("#summary")
             page.screenshot(path=str(artifacts_dir() / "web_app.png"), full_page=True)
+            drawn_status = _draw_and_run(page)
         finally:
             browser.close()
 
@@ -95,3 +97,24 @@ def test_page_classifies_an_uploaded_test_image(server, tmp_path):
     hosts = {urlparse(u).hostname for u in requested if not u.startswith(("data:", "blob:"))}
     assert hosts == {"127.0.0.1"}, f"the page fetched from {hosts}"
     assert (artifacts_dir() / "web_app.png").stat().st_size > 10_000
+    assert "280x280" in drawn_status and "(inverted)" in drawn_status
+
+
+def _draw_and_run(page) -> str:
+    """Draw one stroke on the Draw tab's canvas, run, and return the status line."""
+    page.get_by_role("tab", name="Draw").click()
+    page.locator("#sketch button[aria-label='Brush']").first.click()
+    box = page.locator("#sketch canvas").first.bounding_box()
+    x, y = box["x"] + 0.35 * box["width"], box["y"] + 0.3 * box["height"]
+    page.mouse.move(x, y)
+    page.mouse.down()
+    for step in range(1, 16):
+        page.mouse.move(x + 6 * step, y + 8 * step)
+    page.mouse.up()
+    page.click("#run")
+    page.wait_for_function(
+        "document.querySelector('#status').innerText.includes('280x280')"
+        " && document.querySelector('#status').innerText.includes('one batch per model')",
+        timeout=60_000,
+    )
+    return page.inner_text("#status")
