@@ -318,6 +318,12 @@ def aggregate(rows: list[dict], shapes: dict[str, tuple[int, float]]) -> list[di
     return out
 
 
+def _by_k(model: str) -> tuple[bool, int, str]:
+    """Random peers first, each group by K."""
+    k = model.partition("K=")[2].split(",")[0].split(")")[0]
+    return ("random" not in model, int(k) if k.isdigit() else 0, model)
+
+
 def plot(summary: list[dict], trained: str, elements: list[str], path: Path, title: str) -> None:
     """Left: the trained model's eq. 12 sides per element; right: relative errors at the
     first element, trained model and random peers."""
@@ -348,7 +354,7 @@ def plot(summary: list[dict], trained: str, elements: list[str], path: Path, tit
     left.grid(alpha=0.3, which="both")
     left.legend(fontsize=7)
     first = elements[0]
-    for model in sorted({r["model"] for r in summary}):
+    for model in sorted({r["model"] for r in summary}, key=_by_k):
         pts = [r for r in summary if (r["model"], r["element"]) == (model, first)]
         right.errorbar(
             [r["grad_tau"] for r in pts],
