@@ -240,6 +240,8 @@ def test_reproduce_smoke(tmp_path, idx_source, monkeypatch):
     table = (root / "table.md").read_text()
     assert "reduced budget" in table and "| cnn | rs-fashion | 64 |" in table
     assert (root / "accuracy.png").stat().st_size > 1000
+    wide = (root / "table_wide.md").read_text()
+    assert "| rst_cnn_fb |" in wide and "N_tr 64 +aug" in wide
     # finished runs are skipped: a second call trains nothing and rewrites the same table
     stamp = (root / "cnn-64-t0" / "summary.json").stat().st_mtime_ns
     assert reproduce.main(args) == 0

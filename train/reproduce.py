@@ -283,17 +283,28 @@ def run_all(specs: list[RunSpec], budget: Budget, opts: dict[str, Any], jobs: in
             time.perf_counter() - began,
         )
 
+    def failed(spec: RunSpec, err: BaseException) -> None:
+        log.error(
+            "%s failed: %s (its folder keeps what it finished; rerun to resume)", spec.name, err
+        )
+
     with contextlib.closing(bar):
         if jobs <= 1:
             for spec in todo:
-                record(spec, run_one(spec, budget, opts))
+                try:
+                    record(spec, run_one(spec, budget, opts))
+                except (run.SetupError, run.TrainingError) as err:
+                    failed(spec, err)
         else:
             context = multiprocessing.get_context("spawn")
             with futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
                 running = {pool.submit(run_one, s, budget, opts): s for s in todo}
                 for future in futures.as_completed(running):
-                    record(running[future], future.result())
-    return [done[s] for s in specs]
+                    try:
+                        record(running[future], future.result())
+                    except Exception as err:  # one failed run must not stop the others
+                        failed(running[future], err)
+    return [done[s] for s in specs if done[s] is not None]
 
 
 def measure_throughput(budget: Budget, models: list[str], steps: int = 3) -> list[dict]:
@@ -365,6 +376,27 @@ def results_rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def wide_table(rows: list[dict[str, Any]], data: str) -> str:
+    """Markdown: one row per model, this code's mean +- std beside the paper's per setting
+    (the layout of the paper's Tables 1-2)."""
+    settings = sorted({(r["train_size"], r["augment"]) for r in rows}, key=lambda s: (s[1], s[0]))
+    head = ["model", "params"]
+    for size, aug in settings:
+        name = f"N_tr {size}{' +aug' if aug else ''}"
+        head += [name, "paper"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for model in [m for m in MODELS if any(r["model"] == m for r in rows)]:
+        mine = [r for r in rows if r["model"] == model]
+        cells = [model, f"{mine[0]['params']:,}"]
+        for size, aug in settings:
+            accs = [r["test_acc"] for r in mine if (r["train_size"], r["augment"]) == (size, aug)]
+            cells.append(f"{np.mean(accs):.2f} ± {np.std(accs):.2f}" if accs else "-")
+            paper = report.paper_accuracy(model, data, size, aug, "test")
+            cells.append("-" if paper is None else f"{paper[0]:.2f} ± {paper[1]:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict[str, Any]], data: str, budget_name: str, path: Path) -> None:
@@ -493,14 +525,18 @@ def main(argv: list[str] | None = None) -> int:
     except (run.SetupError, run.TrainingError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    if not summaries:
+        print("error: no run finished", file=sys.stderr)
+        return 1
     table = report.report(summaries)
     (root / "table.md").write_text(table, encoding="utf-8")
     rows = results_rows(summaries)
     write_csv(root / "results.csv", rows)
+    (root / "table_wide.md").write_text(wide_table(rows, args.data), encoding="utf-8")
     plot(rows, args.data, args.budget, root / "accuracy.png")
     print(table, end="")
     log.info("wrote %s", root)
-    return 0
+    return 0 if len(summaries) == len(specs) else 1
 
 
 if __name__ == "__main__":
