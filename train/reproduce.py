@@ -14,7 +14,7 @@ Budgets (``BUDGETS``):
 - ``reduced``: what 2 CPU cores do in about half an hour per data set: every model shrunk to
   ~12K parameters (channels ~(c, 2c, 3c), FC 48), images reduced 2x (56 -> 28 by 2x2
   averaging, the resolution the RS data was made at, zero-padded to 32 so three 2x2 poolings
-  stay exact), 4 / 2 epochs for N_tr 2000 / 5000 at batch 64, 500 validation and 1,500 test
+  stay exact), 6 / 3 epochs for N_tr 2000 / 5000 at batch 64, 500 validation and 3,000 test
   images, one trial. Its numbers rank the models under equal budgets; they are not the
   paper's numbers.
 - ``smoke``: tiny widths, 64 training images, one epoch (CI).
@@ -77,16 +77,16 @@ REDUCED_WIDTHS = {
     "rst_cnn_plus_sl": (6, 13, 20),
 }
 SMOKE_WIDTHS = dict.fromkeys(MODELS, (2, 3, 4))
-# training time per image relative to rst_cnn_fb at the reduced widths (2-core CPU, measured
-# with train/reproduce.py --measure); only the ETA uses it
+# training time per image relative to rst_cnn_fb at the reduced widths, from
+# `train/reproduce.py --measure` on the 2-core CPU (1 thread; RESULTS.md); only the ETA uses it
 RELATIVE_COST = {
-    "cnn": 0.02,
-    "rot_cnn": 0.25,
+    "cnn": 0.012,
+    "rot_cnn": 0.2,
     "scale_cnn": 0.12,
     "rst_cnn_fb": 1.0,
-    "rst_cnn_sl": 1.3,
-    "rst_cnn_plus_fb": 1.0,
-    "rst_cnn_plus_sl": 1.3,
+    "rst_cnn_sl": 1.11,
+    "rst_cnn_plus_fb": 0.84,
+    "rst_cnn_plus_sl": 1.06,
 }
 
 
@@ -108,7 +108,7 @@ class Budget:
 BUDGETS = {
     "full": Budget(56, {2000: 60, 5000: 60}, 5, 2000, None, None),
     "reduced": Budget(
-        32, {2000: 4, 5000: 2}, 1, 500, 1500, REDUCED_WIDTHS, hidden=48, batch_size=64
+        32, {2000: 6, 5000: 3}, 1, 500, 3000, REDUCED_WIDTHS, hidden=48, batch_size=64
     ),
     "smoke": Budget(
         32, {64: 1}, 1, 32, 32, SMOKE_WIDTHS, hidden=8, train_sizes=(64,), batch_size=32
