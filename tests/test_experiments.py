@@ -262,3 +262,19 @@ def test_ood_smoke(tmp_path, idx_source, monkeypatch):
     summary = json.loads((out / "fashion" / "smoke" / "cnn" / "summary.json").read_text())
     assert summary["data"] == "fashion-upright" and summary["test_ood_acc"] is not None
     assert "OOD" in (out / "fashion" / "smoke" / "ood.md").read_text()
+
+
+def test_ood_stl10_protocol_runs_train_run_and_reports(tmp_path, capsys):
+    folder = tmp_path / "stl10_binary"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 8), ("test", 4)):
+        rng.integers(0, 256, n * 3 * 96 * 96, dtype=np.uint8).tofile(folder / f"{split}_X.bin")
+        rng.integers(1, 11, n, dtype=np.uint8).tofile(folder / f"{split}_y.bin")
+    out = tmp_path / "out"
+    args = ["--stl10-root", str(tmp_path), "--models", "resnet16", "--epochs", "1"]
+    args += ["--trials", "1", "--batch-size", "4", "--threads", "1", "--device", "cpu"]
+    assert ood.main([*args, "--model-arg", "widths=(4,4,8)", "--out", str(out)]) == 0
+    table = (out / "stl10" / "table.md").read_text()
+    assert "| resnet16 | stl10 | all | no | ID | 1 |" in table
+    assert "| resnet16 | stl10 | all | no | OOD | 1 |" in table and "37.63" in table

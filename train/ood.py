@@ -51,6 +51,7 @@ from train.reproduce import BUDGETS, Budget, shrink, train_trial
 log = logging.getLogger("ood")
 
 MODELS = ("cnn", "rst_cnn_fb")
+STL10_MODELS = ("resnet16", "rst_resnet16")
 RS_ANGLE_RANGE = (0.0, 2 * math.pi)
 RS_SCALE_RANGE = (0.3, 1.0)
 TESTS = {  # eval split -> (angle range, scale range)
@@ -214,13 +215,19 @@ def markdown(rows: list[dict[str, Any]], title: str) -> str:
 def run_stl10(args: argparse.Namespace) -> int:
     """The paper's STL-10 protocol through train/run.py, then its report."""
     outs = []
-    for model in ("resnet16", "rst_resnet16"):
+    for model in args.models or STL10_MODELS:
         out = args.out / "stl10" / model
         argv = ["--model", model, "--data", "stl10", "--stl10-root", str(args.stl10_root)]
         argv += ["--out", str(out), "--resume", "--trials", str(args.trials or 3)]
         argv += ["--device", args.device]
         if args.epochs:
             argv += ["--epochs", str(args.epochs)]
+        if args.batch_size:
+            argv += ["--batch-size", str(args.batch_size)]
+        if args.threads:
+            argv += ["--threads", str(args.threads)]
+        for arg in args.model_args:
+            argv += ["--model-arg", arg]
         code = run.main(argv)
         if code:
             return code
@@ -237,7 +244,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--budget", choices=tuple(BUDGETS), default="reduced")
     parser.add_argument("--source", choices=("fashion", "mnist"), default="fashion")
-    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument(
+        "--models", nargs="+", default=None, help=f"default {MODELS}; STL-10 {STL10_MODELS}"
+    )
     parser.add_argument("--train-size", type=int, default=None, help="N_tr (budget's largest)")
     parser.add_argument("--epochs", type=int, default=None, help="override the budget's epochs")
     parser.add_argument("--jobs", type=int, default=1)
@@ -246,6 +255,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data-root", type=Path, default=None, help="folder of IDX files")
     parser.add_argument("--stl10-root", type=Path, default=None, help="run the STL-10 protocol")
     parser.add_argument("--trials", type=int, default=None, help="STL-10 trials (paper: 3)")
+    parser.add_argument("--batch-size", type=int, default=None, help="STL-10 (paper: 64)")
+    parser.add_argument(
+        "--model-arg",
+        dest="model_args",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="STL-10: a config override for every model (train/run.py --model-arg)",
+    )
     parser.add_argument("--out", type=Path, default=Path("outputs/ood"))
     args = parser.parse_args(argv)
     if args.threads is None and args.jobs > 1:
@@ -260,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.stl10_root is not None:
         return run_stl10(args)
+    models = args.models or list(MODELS)
     root = args.out / args.source / args.budget
     root.mkdir(parents=True, exist_ok=True)
     opts = {
@@ -273,17 +292,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         if args.jobs <= 1:
-            rows = [run_one(m, args.budget, opts) for m in args.models]
+            rows = [run_one(m, args.budget, opts) for m in models]
         else:
             context = multiprocessing.get_context("spawn")
             with futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
                 rows = list(
-                    pool.map(
-                        run_one,
-                        args.models,
-                        [args.budget] * len(args.models),
-                        [opts] * len(args.models),
-                    )
+                    pool.map(run_one, models, [args.budget] * len(models), [opts] * len(models))
                 )
     except (run.SetupError, run.TrainingError, SourceNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
