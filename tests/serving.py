@@ -18,18 +18,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-FASHION_CLASSES = (
-    "T-shirt/top",
-    "Trouser",
-    "Pullover",
-    "Dress",
-    "Coat",
-    "Sandal",
-    "Shirt",
-    "Sneaker",
-    "Bag",
-    "Ankle boot",
-)
+from train.run import CLASS_NAMES
+
+FASHION_CLASSES = list(CLASS_NAMES["rs-fashion"])
 TINY = {"rst_cnn_fb": {"channels": (4, 6, 8), "hidden": 16}, "cnn": {"channels": (4, 6, 8)}}
 
 
