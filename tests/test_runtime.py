@@ -41,3 +41,43 @@ def test_existing_tunables_are_kept():
 
 def test_default_leaves_the_environment_alone():
     assert run({}) == ""
+
+
+JEMALLOC_CODE = (
+    "from rstmodel.runtime import use_retaining_allocator; use_retaining_allocator(); "
+    "import os; print(os.environ.get('LD_PRELOAD', '') + '|' + os.environ.get('MALLOC_CONF', ''))"
+)
+
+
+def run_jemalloc(env_extra: dict) -> subprocess.CompletedProcess:
+    drop = ("LD_PRELOAD", "MALLOC_CONF", "RSTCNN_ALLOCATOR", "RSTCNN_JEMALLOC")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(env_extra)
+    out = subprocess.run(
+        [sys.executable, "-c", JEMALLOC_CODE], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="LD_PRELOAD is Linux-only")
+def test_jemalloc_is_preloaded_with_purging_off():
+    # scripts/setup.sh installs libjemalloc2 (as root), so the loader finds it in CI
+    from rstmodel.runtime import JEMALLOC_CONF, find_jemalloc
+
+    lib = find_jemalloc()
+    assert lib is not None, "libjemalloc2 missing: run scripts/setup.sh as root"
+    preload, conf = run_jemalloc({"RSTCNN_ALLOCATOR": "jemalloc"}).stdout.strip().split("|")
+    assert preload == lib and conf == JEMALLOC_CONF
+    # a MALLOC_CONF of the user's is kept
+    out = run_jemalloc({"RSTCNN_ALLOCATOR": "jemalloc", "MALLOC_CONF": "narenas:2"})
+    assert out.stdout.strip() == f"{lib}|narenas:2"
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="LD_PRELOAD is Linux-only")
+def test_missing_jemalloc_warns_and_runs_on(tmp_path):
+    out = run_jemalloc(
+        {"RSTCNN_ALLOCATOR": "jemalloc", "RSTCNN_JEMALLOC": str(tmp_path / "nope.so")}
+    )
+    assert out.stdout.strip() == "|"
+    assert "apt-get install libjemalloc2" in out.stderr
