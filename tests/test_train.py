@@ -154,6 +154,7 @@ def test_end_to_end_rst_model(tmp_path, source, env):
     assert meta.class_names[-1] == "Ankle boot" and meta.input_size == 56
     assert len(meta.mean) == 1 and meta.std[0] > 0
     assert meta.metrics["epoch"] == summary["best_epoch"]
+    assert meta.metrics["test_acc"] == summary["test_acc"]  # written back after the test
 
 
 def test_killed_and_interrupted_runs_resume_exactly(tmp_path, source, env):

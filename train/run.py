@@ -1080,6 +1080,19 @@ class Trial:
                 log.info(
                     "%s accuracy of best.pt (epoch %s): %.4f", name, meta.metrics.get("epoch"), acc
                 )
+        if self.procs.main and results:
+            # the checkpoint carries its test accuracy too (shown by export metadata and the app)
+            save_checkpoint(
+                self.best_path,
+                best,
+                model_name=meta.model_name,
+                class_names=meta.class_names,
+                input_size=meta.input_size,
+                in_channels=meta.in_channels,
+                normalization=(meta.mean, meta.std),
+                metrics={**meta.metrics, **results},
+                extra=meta.extra,
+            )
         records = read_metrics(self.metrics_path)
         train_seconds = sum(r.get("time_s", 0.0) for r in records)
         summary = {
