@@ -303,8 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     title = (
-        f"Trained on upright {args.source}, tested upright (ID), rotated/scaled as the "
-        f"paper's STL-10 OOD set, and over the RS range (budget '{args.budget}')"
+        f"Trained on upright {args.source} (budget '{args.budget}'): tested upright (ID),\n"
+        "rotated by U[-pi/2, pi/2] and scaled by U[0.8, 1] (OOD), and over the RS range"
     )
     write_csv(root / "ood.csv", rows)
     write_json(root / "ood.json", rows)
