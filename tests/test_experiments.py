@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rstmodel import RSTElement, act_on_features, create_model, save_checkpoint
-from train import equivariance, ood, reproduce, stability
+from train import equivariance, ood, reproduce, run, stability
 from train.experiments import parse_element, stages_of, synthetic_images
 
 QUARTER = RSTElement(math.pi / 2, 0.0)
@@ -278,3 +278,18 @@ def test_ood_stl10_protocol_runs_train_run_and_reports(tmp_path, capsys):
     table = (out / "stl10" / "table.md").read_text()
     assert "| resnet16 | stl10 | all | no | ID | 1 |" in table
     assert "| resnet16 | stl10 | all | no | OOD | 1 |" in table and "37.63" in table
+
+
+def test_budget_data_sizes(tmp_path, idx_source, monkeypatch):
+    """The full budget reads train/run.py's data as it is (56x56, every remaining test image);
+    smaller budgets reduce the images and cut the test split."""
+    monkeypatch.setenv("RSTCNN_DATA", str(tmp_path / "cache"))
+    argv = ["--data", "rs-fashion", "--train-size", "64", "--val-size", "32"]
+    args = run.parse_args([*argv, "--data-root", str(idx_source)])
+    full = reproduce.Budget(56, {64: 1}, 1, 32, None, None, train_sizes=(64,))
+    data = reproduce.load_data(args, full, idx_source)
+    assert data.input_size == 56 and len(data.evals["test"]) == 300 - 64 - 32
+    smoke = reproduce.BUDGETS["smoke"]
+    data = reproduce.load_data(args, smoke, idx_source)
+    assert data.input_size == 32 and len(data.evals["test"]) == smoke.test_size
+    assert data.train[0][0].shape == (1, 32, 32)
