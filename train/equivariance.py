@@ -69,6 +69,7 @@ from train.experiments import (
     stage_outputs,
     write_csv,
 )
+from train.run import setup_cli
 
 log = logging.getLogger("equivariance")
 
@@ -378,11 +379,7 @@ def markdown(args: argparse.Namespace, summary: list[dict], g: RSTElement, secon
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"
-    )
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    setup_cli(args.threads)
     dtype = torch.float64 if args.dtype == "float64" else torch.float32
     started = time.perf_counter()
     images = load_images(args.data, args.images, seed=args.seed)

@@ -273,9 +273,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"
-    )
+    run.setup_cli()
     if args.stl10_root is not None:
         return run_stl10(args)
     models = args.models or list(MODELS)

@@ -493,9 +493,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"
-    )
+    run.setup_cli()
     budget = BUDGETS[args.budget]
     root = args.out / args.data / args.budget
     root.mkdir(parents=True, exist_ok=True)

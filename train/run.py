@@ -1214,13 +1214,19 @@ def run_trials(
     return summaries
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def setup_cli(threads: int | None = None) -> None:
+    """What every training and experiment CLI does first: timestamped INFO logging and,
+    if given, the torch CPU thread count."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"
     )
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup_cli(args.threads)
     procs = Distributed.from_env()
     if not procs.main:  # rank 0 reports; the others only their warnings
         logging.getLogger().setLevel(logging.WARNING)

@@ -66,6 +66,7 @@ from train.experiments import (
     write_csv,
     write_json,
 )
+from train.run import setup_cli
 
 log = logging.getLogger("stability")
 
@@ -399,11 +400,7 @@ def markdown(summary: list[dict], bounds: dict, trained: str, seconds: float) ->
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S"
-    )
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    setup_cli(args.threads)
     started = time.perf_counter()
     stages, model, meta = load_stages(args.checkpoint)
     data = args.data or meta.extra.get("run", {}).get("data", SYNTHETIC)
