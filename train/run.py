@@ -377,6 +377,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--workers", type=int, default=None, help="data loader processes (cpu 0, cuda 8)"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--tf32",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on CUDA, TF32 tensor cores for float32 matrix products (default on)",
+    )
     args = parser.parse_args(argv)
 
     recipe = STL10_RECIPE if args.data == STL10 else RS_RECIPE
@@ -1180,6 +1186,10 @@ def run_trials(
     procs = procs or Distributed()
     trials = trial_dirs(args)
     device = pick_device(args.device, procs)
+    if device.type == "cuda":
+        # float32 GEMMs (the frequency-wise mixing of the FFT path) on TF32 tensor cores;
+        # cuDNN's convolutions already use them by default
+        torch.backends.cuda.matmul.allow_tf32 = args.tf32
     procs.init(device)
 
     def check_folders() -> None:
