@@ -17,7 +17,7 @@ import torch
 
 from rstmodel.data import cache as cache_mod
 from rstmodel.data import rs, sources, stl10
-from rstmodel.data.datasets import ArrayDataset, RotatedScaledDataset
+from rstmodel.data.datasets import ArrayDataset, Batch, RotatedScaledDataset, collate
 from rstmodel.data.rs import RSConfig, build_rs, load_rs, split_indices
 from rstmodel.data.sources import (
     BaseDataset,
@@ -353,6 +353,57 @@ def test_random_rst_is_seeded_and_in_range():
     assert torch.allclose(identity(image), image, atol=1e-5)
     with pytest.raises(ValueError, match="scale_range"):
         RandomRST(scale_range=(0.0, 2.0))
+
+
+def test_batched_reads_equal_per_image_reads():
+    from torch.utils.data import DataLoader, default_collate
+    from torchvision.transforms import v2
+
+    from rstmodel.data import RandomRST
+
+    rng = np.random.default_rng(3)
+    images = rng.integers(0, 256, (37, 2, 9, 9), dtype=np.uint8)
+    labels = rng.integers(0, 10, 37)
+    normalize = v2.Normalize((0.2, 0.4), (0.3, 0.5))
+    plain = ArrayDataset(images, labels, normalize)
+    assert plain.batched and isinstance(plain.__getitems__([4, 1]), Batch)
+
+    def batches(dataset, collate_fn):
+        loader = DataLoader(
+            dataset,
+            batch_size=8,
+            shuffle=True,
+            collate_fn=collate_fn,
+            generator=torch.Generator().manual_seed(0),
+        )
+        return list(loader)
+
+    for idx in torch.utils.data.BatchSampler(range(37), 8, drop_last=False):
+        x, y = collate(plain.__getitems__(idx))
+        x_ref, y_ref = default_collate([plain[i] for i in idx])
+        assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
+    for (x, y), (x_ref, y_ref) in zip(
+        batches(plain, collate),
+        batches(_PerImage(images, labels, normalize), torch.utils.data.default_collate),
+        strict=True,
+    ):
+        assert x.dtype == x_ref.dtype and y.dtype == y_ref.dtype
+        assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
+    # per-image random transforms and overridden readers keep reading image by image
+    torch.manual_seed(0)
+    augmented = ArrayDataset(images, labels, RandomRST())
+    assert not augmented.batched and isinstance(augmented.__getitems__([0, 1]), list)
+    turned = RotatedScaledDataset(images, labels, np.ones(37), np.ones(37))
+    assert not turned.batched
+    x, y = collate(turned.__getitems__([2, 5]))
+    assert torch.equal(x[1], turned[5][0]) and y.tolist() == [labels[2], labels[5]]
+
+
+class _PerImage(ArrayDataset):
+    """The same dataset read one image at a time (the DataLoader's default)."""
+
+    def __getitems__(self, indices):
+        return [self[i] for i in indices]
 
 
 def test_cutout_zeroes_one_clipped_square():

@@ -229,7 +229,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['pipeline']:.1f} | {100 * r['pipeline'] / r['compute']:.1f} % | "
             f"{r['augment']:.1f} | {100 * r['augment'] / r['compute']:.1f} % |"
         )
-    if args.ddp_models and args.nproc > 1:
+    gpus = torch.cuda.device_count() if args.device.startswith("cuda") else args.nproc
+    if args.ddp_models and args.nproc > 1 and gpus < args.nproc:
+        print(
+            f"\n{args.nproc}-process comparison skipped: it needs {args.nproc} GPUs, this machine has {gpus}"
+        )
+    elif args.ddp_models and args.nproc > 1:
         ddp = []
         for model in args.ddp_models:
             ddp += [measure_ddp(args, model, 1), measure_ddp(args, model, args.nproc)]

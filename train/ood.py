@@ -39,7 +39,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rstmodel import load_checkpoint
-from rstmodel.data import ArrayDataset, RandomRST, SourceNotFoundError
+from rstmodel.data import ArrayDataset, RandomRST, SourceNotFoundError, collate
 from rstmodel.data.cache import default_cache_dir
 from rstmodel.data.rs import rotate_scale_upsize
 from rstmodel.data.sources import BaseDataset, find_source, load_source
@@ -125,7 +125,7 @@ def load_data(args: argparse.Namespace, budget: Budget, opts: dict[str, Any]) ->
 def accuracy(model: torch.nn.Module, dataset, batch_size: int = 256) -> float:
     model.eval()
     correct = seen = 0
-    for images, labels in DataLoader(dataset, batch_size=batch_size):
+    for images, labels in DataLoader(dataset, batch_size=batch_size, collate_fn=collate):
         correct += int((model(images).argmax(1) == labels).sum())
         seen += labels.shape[0]
     return correct / seen

@@ -80,6 +80,7 @@ from rstmodel.data import (
     RSConfig,
     RSDataset,
     SourceNotFoundError,
+    collate,
     load_rs,
     load_stl10,
     ood_parameters,
@@ -799,6 +800,7 @@ class Trial:
             generator=self.generator,
             num_workers=self.workers,
             pin_memory=pin,
+            collate_fn=collate,
         )
         self.eval_loaders = {
             name: DataLoader(
@@ -808,6 +810,7 @@ class Trial:
                 batch_size=args.batch_size,
                 num_workers=self.workers,
                 pin_memory=pin,
+                collate_fn=collate,
             )
             for name, dataset in data.evals.items()
         }

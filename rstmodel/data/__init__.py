@@ -1,7 +1,7 @@
 """Data: offline sources, RS-MNIST / RS-Fashion, STL-10, RST and deformation transforms."""
 
 from .cache import default_cache_dir
-from .datasets import ArrayDataset, RotatedScaledDataset
+from .datasets import ArrayDataset, Batch, RotatedScaledDataset, collate
 from .rs import (
     NUM_REALISATIONS,
     NUM_VAL,
@@ -30,6 +30,7 @@ __all__ = [
     "TRAIN_SIZES",
     "ArrayDataset",
     "BaseDataset",
+    "Batch",
     "Cutout",
     "RSConfig",
     "RSData",
@@ -41,6 +42,7 @@ __all__ = [
     "SourceInfo",
     "SourceNotFoundError",
     "Split",
+    "collate",
     "default_cache_dir",
     "deform",
     "find_source",
