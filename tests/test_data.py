@@ -359,8 +359,6 @@ def test_batched_reads_equal_per_image_reads():
     from torch.utils.data import DataLoader, default_collate
     from torchvision.transforms import v2
 
-    from rstmodel.data import RandomRST
-
     rng = np.random.default_rng(3)
     images = rng.integers(0, 256, (37, 2, 9, 9), dtype=np.uint8)
     labels = rng.integers(0, 10, 37)
@@ -389,10 +387,18 @@ def test_batched_reads_equal_per_image_reads():
     ):
         assert x.dtype == x_ref.dtype and y.dtype == y_ref.dtype
         assert torch.equal(x, x_ref) and torch.equal(y, y_ref)
-    # per-image random transforms and overridden readers keep reading image by image
-    torch.manual_seed(0)
-    augmented = ArrayDataset(images, labels, RandomRST())
-    assert not augmented.batched and isinstance(augmented.__getitems__([0, 1]), list)
+    # random RST: the same draws, one resampling for the batch (to float rounding)
+    augment = v2.Compose([RandomRST(generator=torch.Generator().manual_seed(5)), normalize])
+    reference = v2.Compose([RandomRST(generator=torch.Generator().manual_seed(5)), normalize])
+    augmented = ArrayDataset(images, labels, augment)
+    assert augmented.batched
+    x, y = collate(augmented.__getitems__([3, 0, 7]))
+    x_ref, y_ref = default_collate([_PerImage(images, labels, reference)[i] for i in [3, 0, 7]])
+    assert torch.equal(y, y_ref) and (x - x_ref).abs().max() < 1e-4
+    twice, _ = collate(augmented.__getitems__([4, 4]))
+    assert (twice[0] - twice[1]).abs().max() > 0.1  # a draw per image, not one per batch
+    # unknown transforms and overridden readers keep reading image by image
+    assert not ArrayDataset(images, labels, lambda t: t + 1).batched
     turned = RotatedScaledDataset(images, labels, np.ones(37), np.ones(37))
     assert not turned.batched
     x, y = collate(turned.__getitems__([2, 5]))
@@ -404,6 +410,19 @@ class _PerImage(ArrayDataset):
 
     def __getitems__(self, indices):
         return [self[i] for i in indices]
+
+
+@pytest.mark.parametrize("shape", [(5, 1, 28, 28), (3, 2, 20, 31)])
+def test_random_rst_each_matches_image_by_image(shape):
+    images = torch.rand(shape)
+    one = RandomRST(generator=torch.Generator().manual_seed(2))
+    each = RandomRST(generator=torch.Generator().manual_seed(2))
+    expected = torch.stack([one(x) for x in images])
+    assert (each.each(images) - expected).abs().max() < 1e-4
+    wrong = RandomRST(generator=torch.Generator().manual_seed(3))
+    assert (wrong.each(images) - expected).abs().max() > 0.1
+    with pytest.raises(ValueError, match="float images"):
+        each.each(torch.zeros(2, 4, 4, dtype=torch.uint8))
 
 
 def test_cutout_zeroes_one_clipped_square():

@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.utils.data import Dataset, default_collate
 from torchvision.transforms import InterpolationMode, v2
 
-from .transforms import rotate_scale
+from .transforms import RandomRST, rotate_scale
 
 __all__ = ["ArrayDataset", "Batch", "RotatedScaledDataset", "collate"]
 
@@ -52,11 +52,11 @@ class ArrayDataset(Dataset):
 
     @property
     def batched(self) -> bool:
-        """Whether a batch can be read with one indexing operation: the plain image reader,
-        and a transform that treats every image alike (none, or normalisation)."""
+        """Whether a batch can be read with one indexing operation: the plain image reader
+        and a transform made of normalisation and ``RandomRST`` (``RandomRST.each``)."""
         plain = type(self).image is ArrayDataset.image
         plain &= type(self).__getitem__ is ArrayDataset.__getitem__
-        return plain and (self.transform is None or isinstance(self.transform, v2.Normalize))
+        return plain and _batch_transform(self.transform) is not None
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -73,15 +73,35 @@ class ArrayDataset(Dataset):
 
     def __getitems__(self, indices: list[int]) -> Batch | list[tuple[Tensor, int]]:
         """What the DataLoader asks for: a whole batch at once where ``batched`` (the same
-        values as stacking ``self[i]``; 6x the images/s of one loader process on a 2-core
+        values and random draws as stacking ``self[i]``, to float rounding; 6x the images/s of one loader process on a 2-core
         CPU, BENCHMARKS.md), else the items one by one. Per-image random transforms stay per image."""
         if not self.batched:
             return [self[i] for i in indices]
         index = torch.as_tensor(indices, dtype=torch.long)
-        images = self.images[index].to(torch.float32) / 255.0
-        if self.transform is not None:
-            images = self.transform(images)
+        images = _batch_transform(self.transform)(self.images[index].to(torch.float32) / 255.0)
         return Batch((images, self.labels[index]))
+
+
+def _batch_transform(transform: Callable[[Tensor], Tensor] | None):
+    """``transform`` applied image by image, as one call on a batch; None where unknown."""
+    if transform is None:
+        return lambda images: images
+    if isinstance(transform, v2.Normalize):
+        return transform
+    if isinstance(transform, RandomRST):
+        return transform.each
+    if isinstance(transform, v2.Compose):
+        steps = [_batch_transform(t) for t in transform.transforms]
+        if any(step is None for step in steps):
+            return None
+
+        def composed(images: Tensor) -> Tensor:
+            for step in steps:
+                images = step(images)
+            return images
+
+        return composed
+    return None
 
 
 class RotatedScaledDataset(ArrayDataset):

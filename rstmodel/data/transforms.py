@@ -96,6 +96,27 @@ class RandomRST(nn.Module):
         angle, scale = self.draw()
         return rotate_scale(image, angle, scale, interpolation=self.interpolation)
 
+    def each(self, images: Tensor) -> Tensor:
+        """Float ``[B, C, H, W]``, each image with its own draw: the draws and the result of
+        ``torch.stack([self(x) for x in images])`` (to float rounding), in one resampling."""
+        if images.ndim != 4 or not images.is_floating_point():
+            raise ValueError(
+                f"expected float images [B, C, H, W], got {images.dtype} {tuple(images.shape)}"
+            )
+        draws = torch.tensor([self.draw() for _ in range(images.shape[0])], dtype=torch.float64)
+        angle, scale = draws[:, 0], draws[:, 1]
+        height, width = images.shape[-2:]
+        # output pixel p (centred, x right, y down) samples the input at R(angle) p / scale
+        # (y down turns a displayed counter-clockwise rotation into this sign pattern);
+        # affine_grid's coordinates are pixels divided by half the width / height
+        cos, sin = torch.cos(angle) / scale, torch.sin(angle) / scale
+        theta = torch.zeros(images.shape[0], 2, 3, dtype=torch.float64)
+        theta[:, 0, 0], theta[:, 0, 1] = cos, -sin * height / width
+        theta[:, 1, 0], theta[:, 1, 1] = sin * width / height, cos
+        grid = F.affine_grid(theta.to(images.dtype), list(images.shape), align_corners=False)
+        mode = "nearest" if self.interpolation == InterpolationMode.NEAREST else "bilinear"
+        return F.grid_sample(images, grid, mode=mode, padding_mode="zeros", align_corners=False)
+
     def extra_repr(self) -> str:
         return f"degrees={self.degrees}, scale_range={self.scale_range}"
 
