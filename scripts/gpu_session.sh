@@ -5,7 +5,8 @@
 #
 #   bash scripts/gpu_session.sh            # on the GPU machine (the device tool's `run`)
 #   DEVICE=cpu DEADLINE=120 TRAIN_SIZE=512 MODEL_ARGS="channels=(4,6,8)" LIMIT_TEST=256 \
-#       bash scripts/gpu_session.sh        # a dry run of the same script on the CPU
+#       DATA_ROOT=/usr/share/datasets/fashion-mnist bash scripts/gpu_session.sh
+#                                          # a dry run of the same script on the CPU (tested)
 #
 # What runs, side by side on the one GPU:
 #   * rst_cnn_fb on RS-Fashion (realisation 0, TRAIN_SIZE training images), the paper's
@@ -27,6 +28,8 @@ TRAIN_SIZE="${TRAIN_SIZE:-20000}"
 MAX_EPOCHS="${MAX_EPOCHS:-60}"
 MODEL_ARGS="${MODEL_ARGS:-}"
 LIMIT_TEST="${LIMIT_TEST:-}"
+DATA_ROOT="${DATA_ROOT:-.gpu_data}"  # the Fashion-MNIST IDX files
+VAL_SIZE="${VAL_SIZE:-}"
 OUT="${OUT:-$PWD/runs/gpu-out}"
 WORK="${WORK:-/tmp/rstcnn-gpu}"
 PY="${PY:-}"
@@ -56,6 +59,7 @@ collect() {  # what has appeared so far -> $OUT (comes back even if the call is 
 extra=()
 [[ -n "$MODEL_ARGS" ]] && extra+=(--model-arg "$MODEL_ARGS")
 [[ -n "$LIMIT_TEST" ]] && extra+=(--limit-test "$LIMIT_TEST")
+[[ -n "$VAL_SIZE" ]] && extra+=(--val-size "$VAL_SIZE")
 
 log "python $PY, device $DEVICE, deadline ${DEADLINE}s, train size $TRAIN_SIZE"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$LOG" 2>&1
@@ -65,7 +69,7 @@ torch.cuda.is_available(), "| onnxruntime", ort.__version__, ort.get_available_p
 "$PY" -c 'import tensorrt as trt; print("tensorrt", trt.__version__)' >>"$LOG" 2>&1 \
     || log "tensorrt: not installed on this machine"
 
-"$PY" train/prepare_data.py --data rs-fashion --realizations 0 --data-root .gpu_data \
+"$PY" train/prepare_data.py --data rs-fashion --realizations 0 --data-root "$DATA_ROOT" \
     >"$WORK/logs/prepare.log" 2>&1 || { log "data preparation failed"; tail -5 "$WORK/logs/prepare.log"; }
 log "data ready"
 

@@ -8,6 +8,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -195,6 +196,50 @@ def test_killed_and_interrupted_runs_resume_exactly(tmp_path, source, env):
         assert without_times(metrics(out)) == without_times(metrics(whole))
         summary = json.loads((out / "summary.json").read_text())
         assert summary["test_acc"] == json.loads((whole / "summary.json").read_text())["test_acc"]
+
+
+def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
+    """scripts/gpu_session.sh, what a lent GPU machine runs, on the CPU with a tiny budget:
+    it times steps, trains both models, and leaves exactly the files that come back."""
+    out = tmp_path / "out"
+    settings = {
+        "DEVICE": "cpu",
+        "DEADLINE": "60",
+        "TRAIN_SIZE": "128",
+        "VAL_SIZE": "64",
+        "LIMIT_TEST": "64",
+        "MAX_EPOCHS": "2",
+        "MODEL_ARGS": "channels=(4,6,8)",
+        "DATA_ROOT": str(source["root"]),
+        "WORK": str(tmp_path / "work"),
+        "OUT": str(out),
+        "PY": sys.executable,
+        "RSTCNN_ALLOCATOR": "system",
+    }
+    proc = subprocess.run(
+        ["bash", "scripts/gpu_session.sh"],
+        cwd=REPO,
+        env={**os.environ, **settings},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rst_cnn_fb train step" in proc.stdout and "-> 2 epochs" in proc.stdout
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["cnn.pt", "results.tgz", "rst_cnn_fb.last.pt", "rst_cnn_fb.pt"]
+    model, meta = load_checkpoint(out / "rst_cnn_fb.pt")
+    assert meta.model_name == "rst_cnn_fb" and meta.config["channels"] == (4, 6, 8)
+    with tarfile.open(out / "results.tgz") as tar:
+        names = set(tar.getnames())
+        summary = json.load(tar.extractfile("rst_cnn_fb/summary.json"))
+    assert {"logs/session.log", "logs/cnn.log", "cnn/summary.json"} <= names
+    assert summary["epochs"] == 2 and 0 <= summary["test_acc"] <= 1
+
+
+def test_tf32_flag():
+    assert run.parse_args([]).tf32 is True
+    assert run.parse_args(["--no-tf32"]).tf32 is False
 
 
 def test_unwritable_out_fails_before_training(tmp_path, source, env, capsys):
