@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torchvision.transforms import InterpolationMode
 
 from rstmodel.data import cache as cache_mod
 from rstmodel.data import rs, sources, stl10
@@ -423,6 +424,10 @@ def test_random_rst_each_matches_image_by_image(shape):
     assert (wrong.each(images) - expected).abs().max() > 0.1
     with pytest.raises(ValueError, match="float images"):
         each.each(torch.zeros(2, 4, 4, dtype=torch.uint8))
+    bicubic = RandomRST(interpolation=InterpolationMode.BICUBIC)
+    with pytest.raises(ValueError, match="nearest or bilinear"):
+        bicubic.each(images)
+    assert not ArrayDataset(np.zeros((2, 4, 4), np.uint8), np.zeros(2), bicubic).batched
 
 
 def test_cutout_zeroes_one_clipped_square():

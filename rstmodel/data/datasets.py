@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.utils.data import Dataset, default_collate
 from torchvision.transforms import InterpolationMode, v2
 
-from .transforms import RandomRST, rotate_scale
+from .transforms import GRID_SAMPLE_MODES, RandomRST, rotate_scale
 
 __all__ = ["ArrayDataset", "Batch", "RotatedScaledDataset", "collate"]
 
@@ -54,9 +54,12 @@ class ArrayDataset(Dataset):
     def batched(self) -> bool:
         """Whether a batch can be read with one indexing operation: the plain image reader
         and a transform made of normalisation and ``RandomRST`` (``RandomRST.each``)."""
+        return self._batch_reader() is not None
+
+    def _batch_reader(self) -> Callable[[Tensor], Tensor] | None:
         plain = type(self).image is ArrayDataset.image
         plain &= type(self).__getitem__ is ArrayDataset.__getitem__
-        return plain and _batch_transform(self.transform) is not None
+        return _batch_transform(self.transform) if plain else None
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -73,12 +76,13 @@ class ArrayDataset(Dataset):
 
     def __getitems__(self, indices: list[int]) -> Batch | list[tuple[Tensor, int]]:
         """What the DataLoader asks for: a whole batch at once where ``batched`` (the same
-        values and random draws as stacking ``self[i]``, to float rounding; 6x the images/s of one loader process on a 2-core
-        CPU, BENCHMARKS.md), else the items one by one. Per-image random transforms stay per image."""
-        if not self.batched:
+        values and random draws as stacking ``self[i]``, to float rounding; 6x the images/s
+        of one loader process on a 2-core CPU, BENCHMARKS.md), else the items one by one."""
+        reader = self._batch_reader()
+        if reader is None:
             return [self[i] for i in indices]
         index = torch.as_tensor(indices, dtype=torch.long)
-        images = _batch_transform(self.transform)(self.images[index].to(torch.float32) / 255.0)
+        images = reader(self.images[index].to(torch.float32) / 255.0)
         return Batch((images, self.labels[index]))
 
 
@@ -89,7 +93,7 @@ def _batch_transform(transform: Callable[[Tensor], Tensor] | None):
     if isinstance(transform, v2.Normalize):
         return transform
     if isinstance(transform, RandomRST):
-        return transform.each
+        return transform.each if transform.interpolation in GRID_SAMPLE_MODES else None
     if isinstance(transform, v2.Compose):
         steps = [_batch_transform(t) for t in transform.transforms]
         if any(step is None for step in steps):

@@ -55,6 +55,10 @@ def rotate_scale(
     )
 
 
+# interpolation modes that grid_sample shares with torchvision's tensor affine
+GRID_SAMPLE_MODES = {InterpolationMode.NEAREST: "nearest", InterpolationMode.BILINEAR: "bilinear"}
+
+
 def _uniform(low: float, high: float, generator: torch.Generator | None) -> float:
     return low + (high - low) * torch.rand((), generator=generator, dtype=torch.float64).item()
 
@@ -103,6 +107,10 @@ class RandomRST(nn.Module):
             raise ValueError(
                 f"expected float images [B, C, H, W], got {images.dtype} {tuple(images.shape)}"
             )
+        if self.interpolation not in GRID_SAMPLE_MODES:
+            raise ValueError(
+                f"RandomRST.each resamples with nearest or bilinear, not {self.interpolation.value}"
+            )
         draws = torch.tensor([self.draw() for _ in range(images.shape[0])], dtype=torch.float64)
         angle, scale = draws[:, 0], draws[:, 1]
         height, width = images.shape[-2:]
@@ -114,7 +122,7 @@ class RandomRST(nn.Module):
         theta[:, 0, 0], theta[:, 0, 1] = cos, -sin * height / width
         theta[:, 1, 0], theta[:, 1, 1] = sin * width / height, cos
         grid = F.affine_grid(theta.to(images.dtype), list(images.shape), align_corners=False)
-        mode = "nearest" if self.interpolation == InterpolationMode.NEAREST else "bilinear"
+        mode = GRID_SAMPLE_MODES[self.interpolation]
         return F.grid_sample(images, grid, mode=mode, padding_mode="zeros", align_corners=False)
 
     def extra_repr(self) -> str:
