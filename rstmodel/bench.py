@@ -34,7 +34,10 @@ def _time(fn, repeats: int, device: torch.device) -> float:
     return statistics.median(run() for _ in range(repeats))
 
 
-def measure(name: str, batch: int, repeats: int, overrides: dict, device: torch.device) -> dict:
+def measure(
+    name: str, batch: int, repeats: int, overrides: dict, device: torch.device, bf16: bool = False
+) -> dict:
+    """One model's figures; ``bf16``: every measurement in bfloat16 autocast."""
     from .models import create_model
 
     torch.manual_seed(0)
@@ -47,15 +50,17 @@ def measure(name: str, batch: int, repeats: int, overrides: dict, device: torch.
 
     def train_step() -> None:
         opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+        with autocast:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
 
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
     model.train()
     train = _time(train_step, repeats, device)
     model.eval()
     x1 = x[:1].clone()
-    with torch.no_grad():
+    with torch.no_grad(), autocast:
         eval_batch = _time(lambda: model(x), repeats, device)
         eval_one = _time(lambda: model(x1), max(repeats, 5), device)
     if device.type == "cuda":
@@ -80,12 +85,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--method", default=None, help="override the RST conv method")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast throughout")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if args.worker:
         overrides = {"method": args.method} if args.method and args.worker != "cnn" else {}
-        print(json.dumps(measure(args.worker, args.batch, args.repeats, overrides, device)))
+        row = measure(args.worker, args.batch, args.repeats, overrides, device, args.bf16)
+        print(json.dumps(row))
         return
     rows = []
     for name in args.models:
@@ -93,6 +100,8 @@ def main(argv: list[str] | None = None) -> None:
         cmd += ["--batch", str(args.batch), "--repeats", str(args.repeats), "--device", args.device]
         if args.method:
             cmd += ["--method", args.method]
+        if args.bf16:
+            cmd.append("--bf16")
         print(f"measuring {name} ...", file=sys.stderr, flush=True)
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         rows.append(json.loads(out.strip().splitlines()[-1]))
@@ -103,7 +112,11 @@ def main(argv: list[str] | None = None) -> None:
         else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     )
     memory = "peak GPU memory" if device.type == "cuda" else "peak RSS"
-    print(f"\n{where}; torch {torch.__version__}; batch {args.batch}; median of {args.repeats}")
+    precision = "bfloat16 autocast" if args.bf16 else "float32"
+    print(
+        f"\n{where}; torch {torch.__version__}; {precision}; batch {args.batch}; "
+        f"median of {args.repeats}"
+    )
     print(
         "\n| model | params | train step (s) | eval b{0} (s) | eval b1 (ms) | {2} (GiB) "
         "| train / {1} | eval b{0} / {1} | eval b1 / {1} |".format(

@@ -652,6 +652,8 @@ class RSTBatchNorm(nn.BatchNorm3d):
         ``torch.var_mean``: the channels-last batch_norm kernel loses digits on large N."""
         if self.training or not self.track_running_stats:
             var, mean = torch.var_mean(x, dim=0, correction=0)
+            if x.dtype in (torch.bfloat16, torch.float16):  # autocast: statistics in float
+                var, mean = var.float(), mean.float()
             if self.training and self.track_running_stats:
                 self.num_batches_tracked.add_(1)
                 f = (

@@ -109,6 +109,19 @@ def test_batch_norm_is_equivariant_in_train_mode():
     torch.testing.assert_close(mean, bn.bias.detach(), rtol=0, atol=1e-10)
 
 
+def test_batch_norm_keeps_float_statistics_for_bfloat16_input():
+    """Under bfloat16 autocast the spatial-major batch norm gets bfloat16 maps: its running
+    statistics stay float32 and match float32 statistics to bfloat16 rounding."""
+    x = torch.randn(4, 3, 8, 2, 6, 6) * 2 + 1
+    ref, low = RSTBatchNorm(3), RSTBatchNorm(3)
+    y_ref = ref(spatial_major(x))
+    y_low = low(spatial_major(x.bfloat16()))
+    assert low.running_mean.dtype == low.running_var.dtype == torch.float32
+    torch.testing.assert_close(low.running_mean, ref.running_mean, rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(low.running_var, ref.running_var, rtol=1e-2, atol=1e-3)
+    assert (y_low.float() - y_ref).abs().max() < 0.05
+
+
 def spatial_major(x: torch.Tensor) -> torch.Tensor:
     """The same [B, C, R, S, H, W] values laid out in memory as [H, W, R, S, B, C]."""
     return x.permute(4, 5, 2, 3, 0, 1).contiguous().permute(4, 5, 2, 3, 0, 1)

@@ -276,6 +276,28 @@ def test_existing_runs_need_resume_with_the_same_settings(tmp_path, source, env,
     assert (out / "summary.json").read_text() == before  # finished: nothing to do
 
 
+def test_bf16_training_runs_and_is_a_setting(tmp_path, source, env, capsys):
+    out = tmp_path / "run"
+    args = cli(source, out, "--epochs", "2", "--limit-train", "32", model="rst_cnn_fb")
+    args += ["--model-arg", "channels=(4,6,8)", "--model-arg", "hidden=16"]
+    assert run.main([*args, "--bf16"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["bf16"] is True and 0 <= summary["test_acc"] <= 1
+    records = metrics(out)
+    assert all(np.isfinite(r["train_loss"]) and np.isfinite(r["val_loss"]) for r in records)
+    model, meta = load_checkpoint(out / "best.pt")
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # weights stay float32
+    assert meta.extra["run"]["bf16"] is True
+    # resuming in another precision is refused; a checkpoint from before the setting
+    # existed counts as float32
+    assert run.main([*args, "--resume"]) == 2
+    assert "bf16: True -> False" in capsys.readouterr().err
+    last = torch.load(out / "last.pt", weights_only=False)
+    del last["extra"]["run"]["bf16"]
+    torch.save(last, out / "last.pt")
+    assert run.main([*args, "--resume"]) == 0
+
+
 def test_trials_get_one_folder_and_seed_each(tmp_path, source, env, capsys):
     out = tmp_path / "runs"
     assert run.main(cli(source, out, "--epochs", "1", "--limit-train", "32", "--trials", "2")) == 0

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 if __package__ in (None, ""):  # run as a script: python train/bench.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -68,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (all cores)")
     parser.add_argument("--workers", type=int, default=None, help="loader processes (as run.py)")
     parser.add_argument("--data-root", type=Path, default=None)
+    parser.add_argument("--bf16", action="store_true", help="train in bfloat16 autocast")
     parser.add_argument("--ddp-models", nargs="*", default=["cnn"], help="1 vs N processes")
     parser.add_argument("--nproc", type=int, default=2, help="processes of the DDP comparison")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # DDP child: model
@@ -94,6 +94,8 @@ def run_args(args: argparse.Namespace, model: str, augment: bool, batch: int) ->
         argv += ["--data-root", str(args.data_root)]
     if args.workers is not None:
         argv += ["--workers", str(args.workers)]
+    if args.bf16:
+        argv.append("--bf16")
     for override in args.overrides.get(model, []):
         argv += ["--model-arg", override]
     return argv + (["--augment"] if augment else [])
@@ -126,7 +128,7 @@ def time_steps(trial: run.Trial, batches: Any, warmup: int, steps: int) -> float
         images, labels = next(batches)
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
-        loss = F.cross_entropy(model(images), labels)
+        _, loss = trial.forward_loss(images, labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

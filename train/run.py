@@ -128,7 +128,10 @@ RESULT_SETTINGS = (
     "lr",
     "limit_train",
     "limit_test",
+    "bf16",
 )
+# what a checkpoint written before a setting existed stands for
+SETTING_DEFAULTS = {"bf16": False}
 EXIT_ERROR, EXIT_SETUP = 1, 2
 EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
 
@@ -378,6 +381,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--workers", type=int, default=None, help="data loader processes (cpu 0, cuda 8)"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="train in bfloat16 autocast (CPUs with AVX512-BF16/AMX and GPUs); evaluation "
+        "stays float32",
+    )
     parser.add_argument(
         "--tf32",
         action=argparse.BooleanOptionalAction,
@@ -868,9 +877,10 @@ class Trial:
                 f"({', '.join(sorted(missing))}), not a last.pt of train/run.py: pass another --out"
             )
         run = meta.extra["run"]
-        changed = [k for k in RESULT_SETTINGS if run.get(k) != self.settings[k]]
+        stored = {k: run.get(k, SETTING_DEFAULTS.get(k)) for k in RESULT_SETTINGS}
+        changed = [k for k in RESULT_SETTINGS if stored[k] != self.settings[k]]
         if changed:
-            diff = ", ".join(f"{k}: {run.get(k)!r} -> {self.settings[k]!r}" for k in changed)
+            diff = ", ".join(f"{k}: {stored[k]!r} -> {self.settings[k]!r}" for k in changed)
             raise SetupError(
                 f"{self.last_path} belongs to a run with other settings ({diff}); resume with "
                 f"the same options, or pass another --out for a new run"
@@ -925,8 +935,7 @@ class Trial:
             self.check_stop()
             images = images.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
-            logits = self.train_model(images)
-            loss = F.cross_entropy(logits, labels)
+            logits, loss = self.forward_loss(images, labels)
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
@@ -939,6 +948,14 @@ class Trial:
                 )
         self.check_stop()
         return self._mean(loss_sum, correct, seen)
+
+    def forward_loss(
+        self, images: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training step's logits and cross-entropy (in bfloat16 autocast with --bf16)."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.bf16):
+            logits = self.train_model(images)
+            return logits, F.cross_entropy(logits, labels)
 
     def check_stop(self) -> None:
         """Raise Interrupted once a signal arrived (on any rank: all stop at the same batch)."""
