@@ -1218,6 +1218,11 @@ def run_trials(
 
     procs.on_main(check_folders)
     log.info("device: %s", describe_device(device))
+    if args.bf16 and device.type == "cpu" and not os.environ.get("RSTCNN_ALLOCATOR"):
+        log.info(
+            "tip: RSTCNN_ALLOCATOR=jemalloc with --bf16 made the rst_cnn_fb step 2.7x faster "
+            "at float32's memory peak (BENCHMARKS.md)"
+        )
     if procs.enabled:
         log.info(
             "process %d of %d, %d images per batch each",
