@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import struct
@@ -276,11 +277,14 @@ def test_existing_runs_need_resume_with_the_same_settings(tmp_path, source, env,
     assert (out / "summary.json").read_text() == before  # finished: nothing to do
 
 
-def test_bf16_training_runs_and_is_a_setting(tmp_path, source, env, capsys):
+def test_bf16_training_runs_and_is_a_setting(tmp_path, source, env, capsys, monkeypatch, caplog):
     out = tmp_path / "run"
     args = cli(source, out, "--epochs", "2", "--limit-train", "32", model="rst_cnn_fb")
     args += ["--model-arg", "channels=(4,6,8)", "--model-arg", "hidden=16"]
+    monkeypatch.delenv("RSTCNN_ALLOCATOR", raising=False)
+    caplog.set_level(logging.INFO)
     assert run.main([*args, "--bf16"]) == 0
+    assert "RSTCNN_ALLOCATOR=jemalloc" in caplog.text  # the tip
     summary = json.loads((out / "summary.json").read_text())
     assert summary["bf16"] is True and 0 <= summary["test_acc"] <= 1
     records = metrics(out)
