@@ -14,7 +14,10 @@ scale taps read zeros past the truncated scale range (the paper's boundary leaka
 Each convolution has a direct reference path (per-scale grouped ``conv2d``) and fast
 paths that compute the same operator: BASIS (convolve with the few basis functions, then
 mix channels) and, for the joint convolution, FFT (channel mixing per frequency).
-``ConvMethod.AUTO`` picks the cheapest by a multiply-add count; tests check they agree. In eval mode the
+``ConvMethod.AUTO`` picks the cheapest by a multiply-add count; ``ConvMethod.TUNED`` does that
+in training and, in eval mode, times each path once per input shape and keeps the fastest
+(the multiply-add count misjudges memory-bound small batches). Tests check the paths agree.
+In eval mode the
 expanded filters are cached, keyed on the parameters' version counters, so an optimiser
 step, ``train()`` or ``load_state_dict`` never leaves a stale cache behind.
 """
@@ -24,6 +27,8 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import time
+from collections.abc import Callable
 from enum import Enum
 
 import torch
@@ -49,6 +54,7 @@ __all__ = [
 
 class ConvMethod(str, Enum):
     AUTO = "auto"
+    TUNED = "tuned"  # eval: time every path once per input shape, keep the fastest
     DIRECT = "direct"  # reference: per-scale grouped conv2d
     FFT = "fft"  # joint conv: per-frequency channel mixing (kernel-size independent)
     BASIS = "basis"  # lifting: convolve with the basis, then mix (K << channels * R)
@@ -113,6 +119,20 @@ def plain_copy(model: nn.Module, entry: str = "forward") -> fx.GraphModule:
     return fx.GraphModule(root, graph, class_name=f"Exported{type(model).__name__}").eval()
 
 
+def _time_path(path: Callable[[Tensor], Tensor], x: Tensor) -> float:
+    """Seconds of one call of ``path(x)``, after one untimed call."""
+
+    def call() -> float:
+        start = time.perf_counter()
+        path(x)
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        return time.perf_counter() - start
+
+    call()
+    return call()
+
+
 def is_spatial_major(x: Tensor) -> bool:
     """Whether a feature map [B, C, R, S, H, W] lies in memory as [H, W, R, S, B, C], the
     layout of the FFT path (like channels_last, a memory format, not a shape)."""
@@ -140,6 +160,7 @@ class _BasisConv(nn.Module):
         nn.init.normal_(self.weight, std=math.sqrt(2.0 / (fan_in * energy)))
         self._cache: dict[str, tuple] = {}
         self._spectra: dict[tuple, Tensor] = {}  # FFT path: basis spectra per grid
+        self._tuned: dict[tuple, ConvMethod] = {}  # TUNED: fastest path per input shape
         self._register_load_state_dict_pre_hook(lambda *args, **kwargs: self._cache.clear())
 
     def train(self, mode: bool = True):
@@ -168,6 +189,17 @@ class _BasisConv(nn.Module):
             hit = (key, self.weight.detach().clone(), build())
             self._cache[name] = hit
         return hit[2]
+
+    def _fastest(self, x: Tensor, paths: dict[ConvMethod, Callable[[Tensor], Tensor]]):
+        """TUNED in eval mode: the path that ran ``x`` fastest (each timed once after a
+        warm-up call that fills its caches), remembered per input shape, dtype and device."""
+        key = (tuple(x.shape), x.dtype, x.device)
+        choice = self._tuned.get(key)
+        if choice is None:
+            with torch.no_grad():
+                times = {method: _time_path(path, x) for method, path in paths.items()}
+            choice = self._tuned[key] = min(times, key=times.get)
+        return choice
 
     def _add_bias(self, y: Tensor) -> Tensor:
         if self.bias is None:
@@ -221,7 +253,10 @@ class LiftingRSTConv(_BasisConv):
                 f"got shape {tuple(x.shape)}"
             )
         method = self.method
-        if method is ConvMethod.AUTO:
+        if method is ConvMethod.TUNED and not self.training:
+            paths = {ConvMethod.DIRECT: self.forward_direct, ConvMethod.BASIS: self.forward_basis}
+            method = self._fastest(x, paths)
+        elif method in (ConvMethod.AUTO, ConvMethod.TUNED):
             method = self.choose_method()
         if method is ConvMethod.DIRECT:
             return self._add_bias(self.forward_direct(x))
@@ -380,7 +415,15 @@ class GroupRSTConv(_BasisConv):
             x, self.in_channels, self.spec.rotations, self.spec.num_scales, "GroupRSTConv"
         )
         method = self.method
-        if method is ConvMethod.AUTO:
+        if method is ConvMethod.TUNED and not self.training:
+            paths = {
+                ConvMethod.DIRECT: self.forward_direct,
+                ConvMethod.BASIS: self.forward_basis,
+                ConvMethod.FFT: self.forward_fft,
+            }
+            allowed = self.method_costs(x.shape[0], x.shape[-2], x.shape[-1])
+            method = self._fastest(x, {m: paths[m] for m in allowed})
+        elif method in (ConvMethod.AUTO, ConvMethod.TUNED):
             method = self.choose_method(x.shape[0], x.shape[-2], x.shape[-1])
         if method is ConvMethod.DIRECT:
             return self._add_bias(self.forward_direct(x))
@@ -389,7 +432,12 @@ class GroupRSTConv(_BasisConv):
         return self._add_bias(self.forward_fft(x))
 
     def choose_method(self, batch: int, h: int, w: int) -> ConvMethod:
-        """The cheapest path by multiply-adds (all three run as GEMMs or convolutions).
+        """The cheapest path by multiply-adds (``method_costs``)."""
+        costs = self.method_costs(batch, h, w)
+        return min(costs, key=costs.get)
+
+    def method_costs(self, batch: int, h: int, w: int) -> dict[ConvMethod, float]:
+        """Multiply-adds of each path this call may take (all three run as GEMMs or convolutions).
         FFT also pays for its filter spectra (Cin Cout R S nh Fw complex numbers whatever
         the batch) and is refused while they outweigh both 2 GiB and the batch's spectra;
         BASIS keeps K responses per input channel, so it serves eval only."""
@@ -409,7 +457,7 @@ class GroupRSTConv(_BasisConv):
         if not self.training:
             # depthwise convolutions run at about a third of a dense one's rate
             costs[ConvMethod.BASIS] = 3 * batch * h * w * rot * cit * nk * (area + nsc * cout)
-        return min(costs, key=costs.get)
+        return costs
 
     def conv_weights(self) -> list[list[Tensor]]:
         """Per scale s and tap t, the conv2d weight ``[R*Cout, Cin, ks, ks]`` (groups = R)."""

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import rstmodel
+from rstmodel import layers as layers_module
 from rstmodel.basis import BasisFamily, BasisSpec, reference_spec, sample_basis
 from rstmodel.group import RSTElement, act_on_features, act_on_image
 from rstmodel.layers import (
@@ -659,3 +661,57 @@ def test_convs_reject_empty_channels(cls):
         cls(0, 3, SPEC)
     with pytest.raises(ValueError):
         cls(2, 0, SPEC)
+
+
+# ---------------------------------------------------------------- TUNED: timed path choice
+
+_PATH_OF = {
+    "forward_direct": ConvMethod.DIRECT,
+    "forward_basis": ConvMethod.BASIS,
+    "forward_fft": ConvMethod.FFT,
+}
+
+
+def test_tuned_conv_times_each_path_once_per_input_shape(monkeypatch):
+    fake = {ConvMethod.DIRECT: 3.0, ConvMethod.BASIS: 1.0, ConvMethod.FFT: 2.0}
+    timed: list[ConvMethod] = []
+
+    def fake_time(path, x):
+        timed.append(_PATH_OF[path.__name__])
+        return fake[timed[-1]]
+
+    monkeypatch.setattr(layers_module, "_time_path", fake_time)
+    conv = GroupRSTConv(3, 4, SPEC, method="tuned").to(F64).eval()
+    x = torch.randn(2, 3, 8, 2, 10, 10, dtype=F64)
+    with torch.no_grad():
+        y = conv(x)
+        assert sorted(timed) == sorted(fake)  # every path, once
+        assert conv(x).equal(y) and len(timed) == 3  # remembered for this shape
+        conv(x[:1])
+    assert len(timed) == 6 and set(conv._tuned.values()) == {ConvMethod.BASIS}
+    expected = conv.forward_direct(x) + conv.bias.view(1, -1, 1, 1, 1, 1)
+    assert rel(y, expected) < 1e-10  # the basis path's result
+    # training never times: it takes AUTO's choice
+    conv.train()
+    conv(x)
+    assert len(timed) == 6
+
+    fake[ConvMethod.FFT] = 0.5
+    lift = LiftingRSTConv(1, 3, SPEC, method=ConvMethod.TUNED).eval()
+    timed.clear()
+    lift(torch.randn(1, 1, 12, 12))
+    assert sorted(timed) == sorted([ConvMethod.DIRECT, ConvMethod.BASIS])  # lifting: no FFT
+    assert list(lift._tuned.values()) == [ConvMethod.BASIS]
+
+
+def test_tuned_model_matches_auto_with_real_timing():
+    torch.manual_seed(0)
+    auto = rstmodel.create_model("rst_cnn_fb", channels=(3, 4, 5)).eval()
+    tuned = rstmodel.create_model("rst_cnn_fb", channels=(3, 4, 5), method="tuned").eval()
+    tuned.load_state_dict(auto.state_dict())
+    x = torch.randn(2, 1, 56, 56)
+    with torch.no_grad():
+        y_auto, y_tuned = auto(x), tuned(x)
+    assert (y_tuned - y_auto).abs().max() < 1e-4 * y_auto.abs().max()
+    convs = [m for m in tuned.modules() if isinstance(m, (LiftingRSTConv, GroupRSTConv))]
+    assert all(len(m._tuned) == 1 for m in convs)
