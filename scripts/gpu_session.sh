@@ -92,8 +92,9 @@ import ast, sys, time
 import torch
 import torch.nn.functional as F
 import rstmodel
+from train.run import use_tf32
 device = torch.device(sys.argv[1])
-torch.backends.cuda.matmul.allow_tf32 = True
+use_tf32(device, True)  # as train/run.py by default
 kwargs = dict([(k, ast.literal_eval(v)) for k, v in [sys.argv[2].split("=", 1)]]) if sys.argv[2] else {}
 model = rstmodel.create_model("rst_cnn_fb", **kwargs).to(device)
 opt = torch.optim.Adam(model.parameters(), lr=0.01)

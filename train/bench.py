@@ -104,6 +104,7 @@ def run_args(args: argparse.Namespace, model: str, augment: bool, batch: int) ->
 def make_trial(argv: list[str], procs: run.Distributed | None = None) -> run.Trial:
     targs = run.parse_args(argv)
     device = run.pick_device(targs.device, procs)
+    run.use_tf32(device, targs.tf32)  # the same step as train/run.py
     if procs is not None:
         procs.init(device)
     data = run.load_data(targs)

@@ -728,6 +728,13 @@ def pick_device(name: str, procs: Distributed | None = None) -> torch.device:
     return device
 
 
+def use_tf32(device: torch.device, enabled: bool) -> None:
+    """On CUDA, float32 GEMMs (the frequency-wise mixing of the FFT path) on TF32 tensor
+    cores (``--tf32``); cuDNN's convolutions already use them by default."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = enabled
+
+
 class Trial:
     """One training run (one seed) in one folder."""
 
@@ -1206,10 +1213,7 @@ def run_trials(
     procs = procs or Distributed()
     trials = trial_dirs(args)
     device = pick_device(args.device, procs)
-    if device.type == "cuda":
-        # float32 GEMMs (the frequency-wise mixing of the FFT path) on TF32 tensor cores;
-        # cuDNN's convolutions already use them by default
-        torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    use_tf32(device, args.tf32)
     procs.init(device)
 
     def check_folders() -> None:
