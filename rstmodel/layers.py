@@ -439,7 +439,7 @@ class GroupRSTConv(_BasisConv):
     def method_costs(self, batch: int, h: int, w: int) -> dict[ConvMethod, float]:
         """Multiply-adds of each path this call may take (all three run as GEMMs or convolutions).
         FFT also pays for its filter spectra (Cin Cout R S nh Fw complex numbers whatever
-        the batch) and is refused while they outweigh both 2 GiB and the batch's spectra;
+        the batch, a quarter of that when ``quarter_turns`` shares them) and is refused while they outweigh both 2 GiB and the batch's spectra;
         BASIS keeps K responses per input channel, so it serves eval only."""
         rot, nsc, nk = self.spec.rotations, self.spec.num_scales, self.spec.num_funcs
         cit, cout = self.in_channels * self.taps, self.out_channels
@@ -447,12 +447,13 @@ class GroupRSTConv(_BasisConv):
         nh, nw = self._grid(h, w)
         fw = nw // 2 + 1
         freqs = rot * nsc * nh * fw
+        filters = freqs // self.quarter_turns(h, w)  # distinct filter spectra
         maps = batch * rot * nsc
         costs = {ConvMethod.DIRECT: batch * h * w * rot * area * cit * cout}
-        if freqs * cit * cout * 8 <= max(2**31, batch * (cit + cout) * freqs * 8):
+        if filters * cit * cout * 8 <= max(2**31, batch * (cit + cout) * freqs * 8):
             dfts = maps * self.in_channels * 2 * nh * w * (h + 2 * fw)
             dfts += maps * cout * 2 * h * fw * (2 * nh + w)
-            build = 2 * nk * freqs * cit * cout if self.training else 0
+            build = 2 * nk * filters * cit * cout if self.training else 0
             costs[ConvMethod.FFT] = 4 * batch * freqs * cit * cout + dfts + build
         if not self.training:
             # depthwise convolutions run at about a third of a dense one's rate
@@ -540,17 +541,19 @@ class GroupRSTConv(_BasisConv):
             out.append(y.unflatten(1, (rot, cout)).transpose(1, 2))
         return torch.stack(out, dim=3)  # [B, Cout, R, S, H, W]
 
-    def _basis_spectrum(self, nh: int, nw: int) -> Tensor:
-        """Basis spectra for a 'same' cross-correlation on an nh x nw periodic grid:
-        real ``[2, nh*Fw*R*S, K]`` (real, imaginary), Fw = nw//2 + 1, rows ordered (n, f, r, s)."""
-        key = (nh, nw, str(self.weight.device), self.weight.dtype)
+    def _basis_spectrum(self, nh: int, nw: int, rotations: int) -> Tensor:
+        """Basis spectra for a 'same' cross-correlation on an nh x nw periodic grid, for the
+        first ``rotations`` rotations: real ``[2, nh*Fw*rotations*S, K]`` (real, imaginary),
+        Fw = nw//2 + 1, rows ordered (n, f, r, s)."""
+        key = (nh, nw, rotations, str(self.weight.device), self.weight.dtype)
         spec = self._spectra.get(key)
         if spec is None:
             k = self.spec.kernel_size
             p = k // 2
-            placed = torch.zeros(*self.basis.shape[:3], nh, nw, dtype=torch.float64)
+            basis = torch.from_numpy(sample_basis(self.spec)[:, :rotations].copy())
+            placed = torch.zeros(*basis.shape[:3], nh, nw, dtype=torch.float64)
             # the tap at offset m (rows, cols) from the kernel centre goes to index m mod n
-            placed[..., :k, :k] = torch.from_numpy(sample_basis(self.spec).copy())
+            placed[..., :k, :k] = basis
             placed = torch.roll(placed, shifts=(-p, -p), dims=(-2, -1))
             # correlation: Y = X conj(G)
             g = torch.fft.rfft2(placed).conj()  # [K, R, S, nh, Fw]
@@ -561,25 +564,48 @@ class GroupRSTConv(_BasisConv):
             self._spectra[key] = spec
         return spec
 
-    def spectra(self, nh: int, nw: int) -> tuple[Tensor, Tensor]:
-        """Filter spectra (real, imaginary), each ``[nh*Fw*R*S, Cin*T, Cout]``."""
-        basis_spec = self._basis_spectrum(nh, nw)  # [2, NFRS, K]
+    def spectra(self, nh: int, nw: int, rotations: int | None = None) -> tuple[Tensor, Tensor]:
+        """Filter spectra (real, imaginary) of the first ``rotations`` rotations (default
+        all R), each ``[nh*Fw*rotations*S, Cin*T, Cout]``."""
+        rotations = self.spec.rotations if rotations is None else rotations
+        basis_spec = self._basis_spectrum(nh, nw, rotations)  # [2, NFRS, K]
         a = self.weight.permute(3, 1, 2, 0).reshape(self.spec.num_funcs, -1)  # [K, Cin*T*Cout]
         shape = (basis_spec.shape[1], self.in_channels * self.taps, self.out_channels)
         return (basis_spec[0] @ a).view(shape), (basis_spec[1] @ a).view(shape)
 
-    def forward_fft(self, x: Tensor) -> Tensor:
+    def quarter_turns(self, h: int, w: int) -> int:
+        """4 when the FFT path can share each filter spectrum between output rotations a
+        quarter turn apart, else 1. The sampled basis turns exactly by 90 degrees every R/4
+        rotation indices, so for a square map y_{p + qR/4} = rot90^q(x_{p + qR/4}
+        turned back q quarter turns, correlated with the filter of rotation p): the four
+        turned copies become four times the batch of one GEMM per frequency, with a quarter
+        of the filter spectra (memory, and the reads that bound small batches). Needs one
+        rotation tap (taps would read other quarters), R divisible by 4 and H = W."""
+        rot = self.spec.rotations
+        return 4 if self.rotation_taps == 1 and rot % 4 == 0 and h == w else 1
+
+    def forward_fft(self, x: Tensor, *, share_quarter_turns: bool = True) -> Tensor:
         """Per-frequency channel mixing, cost independent of the kernel size. The 2D DFTs
         are matrix products (GEMMs beat FFTs at these sizes) on the spatial-major memory
         layout ``[H, W, R, S, B, C]``, where the frequency-wise channel mixing is a plain
         batched matmul over contiguous ``[B, C]`` blocks; the result keeps that layout
-        (``spatial_major``). x [B, Cin, R, S, H, W] -> [B, Cout, R, S, H, W]."""
+        (``spatial_major``). ``share_quarter_turns``: use ``quarter_turns`` where it
+        applies (False: one filter spectrum per rotation, the plain path it must equal).
+        x [B, Cin, R, S, H, W] -> [B, Cout, R, S, H, W]."""
         b, cin, rot, nsc, h, w = x.shape
         nh, nw = self._grid(h, w)
         fw = nw // 2 + 1
-        g_re, g_im = self._cached(f"fft{nh}x{nw}", lambda: self.spectra(nh, nw))
+        quarters = self.quarter_turns(h, w) if share_quarter_turns else 1
+        filt_rot, bq = rot // quarters, b * quarters  # filter rotations, GEMM rows
+        g_re, g_im = self._cached(
+            f"fft{nh}x{nw}r{filt_rot}", lambda: self.spectra(nh, nw, filt_rot)
+        )
         dft = _dft_matrices(h, w, nh, nw, x.dtype, x.device)
         xs = x.permute(4, 5, 2, 3, 0, 1).contiguous()  # [H, W, R, S, B, Cin]
+        if quarters > 1:
+            # rows (h, w, r = q R/4 + p, s) -> (h, w, p, s, q), each map turned back q times
+            rows = _quarter_turn_rows(h, rot, nsc, x.device)
+            xs = _RowGather.apply(xs.view(-1, b * cin), *rows)
         m = rot * nsc * b * cin
         # along H (real input): a = sum_h x e^{-i 2 pi n h / nh}, [nh, W, M]
         xm = xs.view(h, w * m)
@@ -590,11 +616,12 @@ class GroupRSTConv(_BasisConv):
         cos_w, sin_w = dft.cos_w.expand(nh, fw, w), dft.sin_w.expand(nh, fw, w)
         x_re = torch.baddbmm(torch.bmm(cos_w, a_re), sin_w, a_im)
         x_im = torch.baddbmm(torch.bmm(cos_w, a_im), sin_w, a_re, alpha=-1)
-        freqs = nh * fw * rot * nsc
-        x_re = self._gather_spectral_taps(x_re.view(nh, fw, rot, nsc, b, cin)).view(freqs, b, -1)
-        x_im = self._gather_spectral_taps(x_im.view(nh, fw, rot, nsc, b, cin)).view(freqs, b, -1)
-        # per frequency: [B, Cin*T] @ [Cin*T, Cout], complex
-        y_re = torch.baddbmm(torch.bmm(x_re, g_re), x_im, g_im, alpha=-1)  # [NFRS, B, Cout]
+        freqs = nh * fw * filt_rot * nsc
+        shape = (nh, fw, filt_rot, nsc, bq, cin)
+        x_re = self._gather_spectral_taps(x_re.view(shape), quarters).view(freqs, bq, -1)
+        x_im = self._gather_spectral_taps(x_im.view(shape), quarters).view(freqs, bq, -1)
+        # per frequency: [B', Cin*T] @ [Cin*T, Cout], complex
+        y_re = torch.baddbmm(torch.bmm(x_re, g_re), x_im, g_im, alpha=-1)  # [NFRS, B', Cout]
         y_im = torch.baddbmm(torch.bmm(x_re, g_im), x_im, g_re)
         mo = rot * nsc * b * self.out_channels
         y_re, y_im = y_re.view(nh, fw * mo), y_im.view(nh, fw * mo)
@@ -604,6 +631,8 @@ class GroupRSTConv(_BasisConv):
         # inverse along W (Hermitian half spectrum), first W columns only
         inv_cos_w, inv_sin_w = dft.inv_cos_w.expand(h, w, fw), dft.inv_sin_w.expand(h, w, fw)
         y = torch.baddbmm(torch.bmm(inv_cos_w, z_re), inv_sin_w, z_im)
+        if quarters > 1:  # turn each map forward again, rows back to (h, w, r, s)
+            y = _RowGather.apply(y.view(-1, b * self.out_channels), *reversed(rows))
         return y.view(h, w, rot, nsc, b, self.out_channels).permute(4, 5, 2, 3, 0, 1)
 
     def _grid(self, h: int, w: int) -> tuple[int, int]:
@@ -612,18 +641,54 @@ class GroupRSTConv(_BasisConv):
         k = self.spec.kernel_size
         return fft_size(max(h + k // 2, k)), fft_size(max(w + k // 2, k))
 
-    def _gather_spectral_taps(self, xf: Tensor) -> Tensor:
-        """``[nh, Fw, R, S, B, C] -> [nh, Fw, R, S, B, C, T]`` (what each tap reads)."""
+    def _gather_spectral_taps(self, xf: Tensor, quarters: int = 1) -> Tensor:
+        """``[nh, Fw, R', S, B', C] -> [nh, Fw, R', S, B', C, T]`` (what each tap reads);
+        with shared quarter turns R' = R/4 and the one rotation tap reads its own rotation."""
         if self.taps == 1:
             return xf.unsqueeze(-1)
         nsc = self.spec.num_scales
         taps = []
         for idx in self.rot_index:
-            xr = xf.index_select(2, idx)
+            xr = xf.index_select(2, idx) if quarters == 1 else xf
             if self.scale_taps > 1:
                 xr = torch.cat([xr, torch.zeros_like(xr[:, :, :, : self.scale_taps - 1])], dim=3)
             taps += [xr[:, :, :, la : la + nsc] for la in range(self.scale_taps)]
         return torch.stack(taps, dim=-1)
+
+
+class _RowGather(torch.autograd.Function):
+    """Rows ``x[index]`` of a 2D tensor, where ``index`` is a permutation and ``inverse``
+    its inverse: the gradient is the inverse gather (no scatter-add)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+@functools.lru_cache(maxsize=32)
+def _quarter_turn_rows(n: int, rot: int, nsc: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Row permutation of an ``[n, n, R, S]`` grid of maps (rows (h, w, r, s)) to rows
+    (h, w, p, s, q), r = q R/4 + p, where map q R/4 + p is turned back by q quarter
+    turns; and its inverse (which turns them forward again)."""
+    quarter = rot // 4
+    pixels = torch.arange(n * n).view(n, n)
+    # source pixel of each output pixel of a map turned by -q quarter turns
+    turned = torch.stack([torch.rot90(pixels, -q, (0, 1)).flatten() for q in range(4)])  # [4, n*n]
+    hw = torch.arange(n * n).view(-1, 1, 1, 1)
+    p = torch.arange(quarter).view(1, -1, 1, 1)
+    s = torch.arange(nsc).view(1, 1, -1, 1)
+    q = torch.arange(4).view(1, 1, 1, -1)
+    index = (turned[q, hw] * rot + q * quarter + p) * nsc + s  # [n*n, R/4, S, 4]
+    index = index.flatten()
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(index.numel())
+    return index.to(device), inverse.to(device)
 
 
 class _DFTMatrices:

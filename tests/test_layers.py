@@ -312,6 +312,64 @@ def test_layers_give_the_same_values_in_every_memory_layout(make):
         torch.testing.assert_close(other, default, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [SPEC3, SPEC3_SL, reference_spec(8, 3, 49), BasisSpec(FB, 6, 4, (2.5, 2.5 * 2**0.5))],
+    ids=["fb", "sl", "reference", "fb-R4"],
+)
+@pytest.mark.parametrize("la", [1, 2])
+def test_fft_path_sharing_quarter_turns_equals_one_spectrum_per_rotation(spec, la):
+    """Four output rotations a quarter turn apart share one filter spectrum: same values
+    and gradients as the plain FFT path, a quarter of the cached spectra."""
+    conv = GroupRSTConv(3, 4, spec, scale_taps=la).to(F64)
+    assert conv.quarter_turns(12, 12) == 4
+    x = torch.randn(2, 3, spec.rotations, spec.num_scales, 12, 12, dtype=F64, requires_grad=True)
+    grad_out = torch.randn(2, 4, spec.rotations, spec.num_scales, 12, 12, dtype=F64)
+    results = []
+    for share in (False, True):
+        x.grad = conv.weight.grad = None
+        y = conv.forward_fft(x, share_quarter_turns=share)
+        (y * grad_out).sum().backward()
+        results.append((y.detach(), x.grad.clone(), conv.weight.grad.clone()))
+    for plain, shared in zip(*results, strict=True):
+        torch.testing.assert_close(shared, plain, rtol=1e-10, atol=1e-10)
+    conv.eval()
+    with torch.no_grad():
+        conv.forward_fft(x)
+    (spectra,) = [v[2][0] for k, v in conv._cache.items() if k.startswith("fft")]
+    nh, nw = conv._grid(12, 12)
+    assert spectra.shape[0] == nh * (nw // 2 + 1) * spec.rotations // 4 * spec.num_scales
+
+
+@pytest.mark.parametrize(
+    "make, size",
+    [
+        (lambda: GroupRSTConv(2, 3, SPEC, rotation_taps=2), (12, 12)),  # taps read other quarters
+        (lambda: GroupRSTConv(2, 3, BasisSpec(FB, 6, 6, (2.5,))), (12, 12)),  # R = 6
+        (lambda: GroupRSTConv(2, 3, SPEC), (10, 12)),  # not square
+    ],
+    ids=["Lt2", "R6", "rect"],
+)
+def test_quarter_turn_sharing_is_used_only_where_it_is_exact(make, size):
+    conv = make().to(F64)
+    assert conv.quarter_turns(*size) == 1
+    x = torch.randn(1, 2, conv.spec.rotations, conv.spec.num_scales, *size, dtype=F64)
+    torch.testing.assert_close(conv.forward_fft(x), conv.forward_direct(x), rtol=1e-10, atol=1e-10)
+
+
+def test_quarter_turn_rows_are_a_permutation_and_its_inverse():
+    index, inverse = layers_module._quarter_turn_rows(6, 8, 3, torch.device("cpu"))
+    assert torch.equal(index.sort().values, torch.arange(6 * 6 * 8 * 3))
+    assert torch.equal(index[inverse], torch.arange(index.numel()))
+    # row (h, w, p, s, q) of map r = 2q + p turned back by q quarter turns
+    maps = torch.randn(6, 6, 8, 3)
+    gathered = maps.reshape(-1)[index].view(6, 6, 2, 3, 4)
+    for q in range(4):
+        for p in range(2):
+            expected = torch.rot90(maps[:, :, 2 * q + p], -q, (0, 1))
+            assert torch.equal(gathered[:, :, p, :, q], expected)
+
+
 @pytest.mark.parametrize("size", [4, 6, 8])
 def test_group_fft_path_handles_maps_smaller_than_the_kernel(size):
     """A 15 x 15 kernel on a small map (the third layer of a model with a small input)."""
