@@ -543,7 +543,8 @@ class GroupRSTConv(_BasisConv):
 
     def _basis_spectrum(self, nh: int, nw: int, rotations: int) -> Tensor:
         """Basis spectra for a 'same' cross-correlation on an nh x nw periodic grid, for the
-        first ``rotations`` rotations: real ``[2, nh*Fw*rotations*S, K]`` (real, imaginary),
+        first ``rotations`` rotations: real ``[3, nh*Fw*rotations*S, K]`` (real part,
+        imaginary minus real, real plus imaginary: the three products of ``forward_fft``),
         Fw = nw//2 + 1, rows ordered (n, f, r, s)."""
         key = (nh, nw, rotations, str(self.weight.device), self.weight.dtype)
         spec = self._spectra.get(key)
@@ -558,20 +559,20 @@ class GroupRSTConv(_BasisConv):
             # correlation: Y = X conj(G)
             g = torch.fft.rfft2(placed).conj()  # [K, R, S, nh, Fw]
             g = g.permute(3, 4, 1, 2, 0).reshape(-1, g.shape[0])  # [nh*Fw*R*S, K]
-            spec = torch.stack([g.real, g.imag]).to(
+            spec = torch.stack([g.real, g.imag - g.real, g.real + g.imag]).to(
                 device=self.weight.device, dtype=self.weight.dtype
             )
             self._spectra[key] = spec
         return spec
 
     def spectra(self, nh: int, nw: int, rotations: int | None = None) -> tuple[Tensor, Tensor]:
-        """Filter spectra (real, imaginary) of the first ``rotations`` rotations (default
-        all R), each ``[nh*Fw*rotations*S, Cin*T, Cout]``."""
+        """Filter spectra G of the first ``rotations`` rotations (default all R) as
+        (Re G, Im G - Re G, Re G + Im G), each ``[nh*Fw*rotations*S, Cin*T, Cout]``."""
         rotations = self.spec.rotations if rotations is None else rotations
         basis_spec = self._basis_spectrum(nh, nw, rotations)  # [2, NFRS, K]
         a = self.weight.permute(3, 1, 2, 0).reshape(self.spec.num_funcs, -1)  # [K, Cin*T*Cout]
         shape = (basis_spec.shape[1], self.in_channels * self.taps, self.out_channels)
-        return (basis_spec[0] @ a).view(shape), (basis_spec[1] @ a).view(shape)
+        return tuple((part @ a).view(shape) for part in basis_spec)
 
     def quarter_turns(self, h: int, w: int) -> int:
         """4 when the FFT path can share each filter spectrum between output rotations a
@@ -597,7 +598,7 @@ class GroupRSTConv(_BasisConv):
         fw = nw // 2 + 1
         quarters = self.quarter_turns(h, w) if share_quarter_turns else 1
         filt_rot, bq = rot // quarters, b * quarters  # filter rotations, GEMM rows
-        g_re, g_im = self._cached(
+        g_re, g_diff, g_sum = self._cached(
             f"fft{nh}x{nw}r{filt_rot}", lambda: self.spectra(nh, nw, filt_rot)
         )
         dft = _dft_matrices(h, w, nh, nw, x.dtype, x.device)
@@ -620,9 +621,12 @@ class GroupRSTConv(_BasisConv):
         shape = (nh, fw, filt_rot, nsc, bq, cin)
         x_re = self._gather_spectral_taps(x_re.view(shape), quarters).view(freqs, bq, -1)
         x_im = self._gather_spectral_taps(x_im.view(shape), quarters).view(freqs, bq, -1)
-        # per frequency: [B', Cin*T] @ [Cin*T, Cout], complex
-        y_re = torch.baddbmm(torch.bmm(x_re, g_re), x_im, g_im, alpha=-1)  # [NFRS, B', Cout]
-        y_im = torch.baddbmm(torch.bmm(x_re, g_im), x_im, g_re)
+        # per frequency: [B', Cin*T] @ [Cin*T, Cout], complex, in three real products
+        # (Gauss): m = (Re x + Im x) Re G; Re y = m - Im x (Re G + Im G),
+        # Im y = m + Re x (Im G - Re G)
+        m = torch.bmm(x_re + x_im, g_re)  # [NFRS, B', Cout]
+        y_re = torch.baddbmm(m, x_im, g_sum, alpha=-1)
+        y_im = torch.baddbmm(m, x_re, g_diff)
         mo = rot * nsc * b * self.out_channels
         y_re, y_im = y_re.view(nh, fw * mo), y_im.view(nh, fw * mo)
         # inverse along H, first H rows only: z = sum_n y e^{+i 2 pi n h / nh}
