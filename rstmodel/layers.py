@@ -438,9 +438,10 @@ class GroupRSTConv(_BasisConv):
 
     def method_costs(self, batch: int, h: int, w: int) -> dict[ConvMethod, float]:
         """Multiply-adds of each path this call may take (all three run as GEMMs or convolutions).
-        FFT also pays for its filter spectra (Cin Cout R S nh Fw complex numbers whatever
-        the batch, a quarter of that when ``quarter_turns`` shares them) and is refused while they outweigh both 2 GiB and the batch's spectra;
-        BASIS keeps K responses per input channel, so it serves eval only."""
+        FFT does 3 real products per complex one and also pays for its filter spectra
+        (3 Cin Cout R S nh Fw floats whatever the batch, a quarter of that when
+        ``quarter_turns`` shares them); it is refused while they outweigh both 2 GiB and the
+        batch's spectra. BASIS keeps K responses per input channel, so it serves eval only."""
         rot, nsc, nk = self.spec.rotations, self.spec.num_scales, self.spec.num_funcs
         cit, cout = self.in_channels * self.taps, self.out_channels
         area = sum(k * k for k in self.spec.kernel_sizes)
@@ -450,11 +451,11 @@ class GroupRSTConv(_BasisConv):
         filters = freqs // self.quarter_turns(h, w)  # distinct filter spectra
         maps = batch * rot * nsc
         costs = {ConvMethod.DIRECT: batch * h * w * rot * area * cit * cout}
-        if filters * cit * cout * 8 <= max(2**31, batch * (cit + cout) * freqs * 8):
+        if filters * cit * cout * 12 <= max(2**31, batch * (cit + cout) * freqs * 8):
             dfts = maps * self.in_channels * 2 * nh * w * (h + 2 * fw)
             dfts += maps * cout * 2 * h * fw * (2 * nh + w)
             build = 2 * nk * filters * cit * cout if self.training else 0
-            costs[ConvMethod.FFT] = 4 * batch * freqs * cit * cout + dfts + build
+            costs[ConvMethod.FFT] = 3 * batch * freqs * cit * cout + dfts + build
         if not self.training:
             # depthwise convolutions run at about a third of a dense one's rate
             costs[ConvMethod.BASIS] = 3 * batch * h * w * rot * cit * nk * (area + nsc * cout)
