@@ -13,13 +13,14 @@ scale taps read zeros past the truncated scale range (the paper's boundary leaka
 
 Each convolution has a direct reference path (per-scale grouped ``conv2d``) and fast
 paths that compute the same operator: BASIS (convolve with the few basis functions, then
-mix channels) and, for the joint convolution, FFT (channel mixing per frequency).
+mix channels) and, for the joint convolution, FFT (channel mixing per frequency, three
+real products per complex one, and one filter spectrum shared by the four output
+rotations a quarter turn apart, which the sampled basis relates exactly).
 ``ConvMethod.AUTO`` picks the cheapest by a multiply-add count; ``ConvMethod.TUNED`` does that
 in training and, in eval mode, times each path once per input shape and keeps the fastest
 (the multiply-add count misjudges memory-bound small batches). Tests check the paths agree.
-In eval mode the
-expanded filters are cached, keyed on the parameters' version counters, so an optimiser
-step, ``train()`` or ``load_state_dict`` never leaves a stale cache behind.
+In eval mode the expanded filters are cached, keyed on the parameters' version counters, so
+an optimiser step, ``train()`` or ``load_state_dict`` never leaves a stale cache behind.
 """
 
 from __future__ import annotations
@@ -623,11 +624,7 @@ class GroupRSTConv(_BasisConv):
         x_re = self._gather_spectral_taps(x_re.view(shape), quarters).view(freqs, bq, -1)
         x_im = self._gather_spectral_taps(x_im.view(shape), quarters).view(freqs, bq, -1)
         # per frequency: [B', Cin*T] @ [Cin*T, Cout], complex, in three real products
-        # (Gauss): m = (Re x + Im x) Re G; Re y = m - Im x (Re G + Im G),
-        # Im y = m + Re x (Im G - Re G)
-        m = torch.bmm(x_re + x_im, g_re)  # [NFRS, B', Cout]
-        y_re = torch.baddbmm(m, x_im, g_sum, alpha=-1)
-        y_im = torch.baddbmm(m, x_re, g_diff)
+        y_re, y_im = _GaussProduct.apply(x_re, x_im, g_re, g_diff, g_sum)  # [NFRS, B', Cout]
         mo = rot * nsc * b * self.out_channels
         y_re, y_im = y_re.view(nh, fw * mo), y_im.view(nh, fw * mo)
         # inverse along H, first H rows only: z = sum_n y e^{+i 2 pi n h / nh}
@@ -659,6 +656,42 @@ class GroupRSTConv(_BasisConv):
                 xr = torch.cat([xr, torch.zeros_like(xr[:, :, :, : self.scale_taps - 1])], dim=3)
             taps += [xr[:, :, :, la : la + nsc] for la in range(self.scale_taps)]
         return torch.stack(taps, dim=-1)
+
+
+class _GaussProduct(torch.autograd.Function):
+    """Batched complex matrix products y = x G in three real ones (Gauss):
+    m = (Re x + Im x) Re G, Re y = m - Im x (Re G + Im G), Im y = m + Re x (Im G - Re G).
+    Takes (Re x, Im x, Re G, Im G - Re G, Re G + Im G); saves only its inputs (the sum
+    Re x + Im x is recomputed in backward, which also runs in three products per term)."""
+
+    @staticmethod
+    def forward(ctx, x_re: Tensor, x_im: Tensor, g_re: Tensor, g_diff: Tensor, g_sum: Tensor):
+        ctx.save_for_backward(x_re, x_im, g_re, g_diff, g_sum)
+        m = torch.bmm(x_re + x_im, g_re)
+        y_re = torch.baddbmm(m, x_im, g_sum, alpha=-1)
+        # in place into m (autocast does not cast in-place ops: match m's dtype)
+        return y_re, m.baddbmm_(x_re.to(m.dtype), g_diff.to(m.dtype))
+
+    @staticmethod
+    def backward(ctx, dy_re: Tensor, dy_im: Tensor):
+        dtype = dy_re.dtype  # under autocast the saved inputs may be wider than the grads
+        x_re, x_im, g_re, g_diff, g_sum = (t.to(dtype) for t in ctx.saved_tensors)
+        need = ctx.needs_input_grad
+        dm = dy_re + dy_im
+        dx_re = dx_im = dg_re = dg_diff = dg_sum = None
+        if need[0] or need[1]:
+            dxs = torch.bmm(dm, g_re.mT)
+            if need[0]:
+                dx_re = torch.baddbmm(dxs, dy_im, g_diff.mT)
+            if need[1]:
+                dx_im = torch.baddbmm(dxs, dy_re, g_sum.mT, alpha=-1)
+        if need[2]:
+            dg_re = torch.bmm((x_re + x_im).mT, dm)
+        if need[3]:
+            dg_diff = torch.bmm(x_re.mT, dy_im)
+        if need[4]:
+            dg_sum = torch.bmm(x_im.mT, dy_re).neg_()
+        return dx_re, dx_im, dg_re, dg_diff, dg_sum
 
 
 class _RowGather(torch.autograd.Function):

@@ -773,3 +773,19 @@ def test_tuned_model_matches_auto_with_real_timing():
     assert (y_tuned - y_auto).abs().max() < 1e-4 * y_auto.abs().max()
     convs = [m for m in tuned.modules() if isinstance(m, (LiftingRSTConv, GroupRSTConv))]
     assert all(len(m._tuned) == 1 for m in convs)
+
+
+@pytest.mark.parametrize("grads", ["all", "inputs", "filters"])
+def test_gauss_product_equals_the_complex_product_with_gradients(grads):
+    x = torch.randn(5, 3, 4, dtype=torch.complex128)
+    g = torch.randn(5, 4, 6, dtype=torch.complex128)
+    parts = [x.real, x.imag, g.real, g.imag - g.real, g.real + g.imag]
+    parts = [
+        p.clone().requires_grad_(grads == "all" or (grads == "inputs") == (i < 2))
+        for i, p in enumerate(parts)
+    ]
+    y_re, y_im = layers_module._GaussProduct.apply(*parts)
+    torch.testing.assert_close(torch.complex(y_re, y_im), x @ g, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(
+        lambda *p: layers_module._GaussProduct.apply(*p), parts, eps=1e-6, atol=1e-8
+    )
