@@ -261,7 +261,7 @@ class LiftingRSTConv(_BasisConv):
             method = self.choose_method()
         if method is ConvMethod.DIRECT:
             return self._add_bias(self.forward_direct(x))
-        return self._add_bias(self.forward_basis(x))
+        return self.forward_basis(x, bias=self.bias)
 
     def choose_method(self) -> ConvMethod:
         """DIRECT when Cout R kernels cost fewer multiply-adds than K R basis kernels plus
@@ -307,12 +307,13 @@ class LiftingRSTConv(_BasisConv):
 
         return plain_module(forward, tensors, "ExportedLiftingRSTConv")
 
-    def forward_basis(self, x: Tensor) -> Tensor:
+    def forward_basis(self, x: Tensor, *, bias: Tensor | None = None) -> Tensor:
         """Convolve each input channel with the K R basis copies, then mix the K responses
         into Cout channels with one GEMM (cost ~ K R k^2 + Cout K per pixel and scale instead
-        of Cout R k^2). The result is spatial-major (see ``is_spatial_major``): the mixing
-        GEMM writes it in that layout directly, and the pooling and FFT convolutions that
-        follow want it. x [B, Cin, H, W] -> [B, Cout, R, S, H, W]."""
+        of Cout R k^2), which also adds ``bias`` [Cout] if given. The result is spatial-major
+        (see ``is_spatial_major``): the mixing GEMM writes it in that layout directly, and the
+        pooling and FFT convolutions that follow want it. x [B, Cin, H, W] -> [B, Cout, R, S,
+        H, W]."""
         b, c, h, wd = x.shape
         rot, nk = self.spec.rotations, self.spec.num_funcs
         resp = []
@@ -324,7 +325,9 @@ class LiftingRSTConv(_BasisConv):
             resp.append(y.view(b, c * nk, rot, h, wd).permute(3, 4, 2, 0, 1))  # [H, W, R, B, Cin*K]
         resp = torch.stack(resp, dim=3)  # [H, W, R, S, B, Cin*K]
         a = self.weight.reshape(self.out_channels, c * nk)  # [Cout, Cin*K]
-        y = resp.view(-1, c * nk) @ a.t()  # [H*W*R*S*B, Cout]
+        resp2d = resp.view(-1, c * nk)
+        # [H*W*R*S*B, Cout]
+        y = resp2d @ a.t() if bias is None else torch.addmm(bias, resp2d, a.t())
         return y.view(*resp.shape[:-1], self.out_channels).permute(4, 5, 2, 3, 0, 1)
 
 
@@ -430,7 +433,7 @@ class GroupRSTConv(_BasisConv):
             return self._add_bias(self.forward_direct(x))
         if method is ConvMethod.BASIS:
             return self._add_bias(self.forward_basis(x))
-        return self._add_bias(self.forward_fft(x))
+        return self.forward_fft(x, bias=self.bias)
 
     def choose_method(self, batch: int, h: int, w: int) -> ConvMethod:
         """The cheapest path by multiply-adds (``method_costs``)."""
@@ -587,13 +590,16 @@ class GroupRSTConv(_BasisConv):
         rot = self.spec.rotations
         return 4 if self.rotation_taps == 1 and rot % 4 == 0 and h == w else 1
 
-    def forward_fft(self, x: Tensor, *, share_quarter_turns: bool = True) -> Tensor:
+    def forward_fft(
+        self, x: Tensor, *, share_quarter_turns: bool = True, bias: Tensor | None = None
+    ) -> Tensor:
         """Per-frequency channel mixing, cost independent of the kernel size. The 2D DFTs
         are matrix products (GEMMs beat FFTs at these sizes) on the spatial-major memory
         layout ``[H, W, R, S, B, C]``, where the frequency-wise channel mixing is a plain
         batched matmul over contiguous ``[B, C]`` blocks; the result keeps that layout
         (``spatial_major``). ``share_quarter_turns``: use ``quarter_turns`` where it
         applies (False: one filter spectrum per rotation, the plain path it must equal).
+        ``bias`` [Cout], if given, is added by the last inverse-DFT GEMM.
         x [B, Cin, R, S, H, W] -> [B, Cout, R, S, H, W]."""
         b, cin, rot, nsc, h, w = x.shape
         nh, nw = self._grid(h, w)
@@ -617,8 +623,8 @@ class GroupRSTConv(_BasisConv):
         # along W: X = sum_w a e^{-i 2 pi f w / nw}, [nh, Fw, M]; separate real GEMMs, so
         # that no backward has to scatter into a stacked tensor
         cos_w, sin_w = dft.cos_w.expand(nh, fw, w), dft.sin_w.expand(nh, fw, w)
-        x_re = torch.baddbmm(torch.bmm(cos_w, a_re), sin_w, a_im)
-        x_im = torch.baddbmm(torch.bmm(cos_w, a_im), sin_w, a_re, alpha=-1)
+        x_re = _accumulate(torch.bmm(cos_w, a_re), sin_w, a_im)
+        x_im = _accumulate(torch.bmm(cos_w, a_im), sin_w, a_re, alpha=-1)
         freqs = nh * fw * filt_rot * nsc
         shape = (nh, fw, filt_rot, nsc, bq, cin)
         x_re = self._gather_spectral_taps(x_re.view(shape), quarters).view(freqs, bq, -1)
@@ -628,11 +634,15 @@ class GroupRSTConv(_BasisConv):
         mo = rot * nsc * b * self.out_channels
         y_re, y_im = y_re.view(nh, fw * mo), y_im.view(nh, fw * mo)
         # inverse along H, first H rows only: z = sum_n y e^{+i 2 pi n h / nh}
-        z_re = torch.addmm(dft.inv_cos_h @ y_re, dft.inv_sin_h, y_im, alpha=-1).view(h, fw, mo)
-        z_im = torch.addmm(dft.inv_sin_h @ y_re, dft.inv_cos_h, y_im).view(h, fw, mo)
+        z_re = _accumulate(dft.inv_cos_h @ y_re, dft.inv_sin_h, y_im, alpha=-1).view(h, fw, mo)
+        z_im = _accumulate(dft.inv_sin_h @ y_re, dft.inv_cos_h, y_im).view(h, fw, mo)
         # inverse along W (Hermitian half spectrum), first W columns only
         inv_cos_w, inv_sin_w = dft.inv_cos_w.expand(h, w, fw), dft.inv_sin_w.expand(h, w, fw)
-        y = torch.baddbmm(torch.bmm(inv_cos_w, z_re), inv_sin_w, z_im)
+        if bias is None:
+            y = torch.bmm(inv_cos_w, z_re)
+        else:  # channels are the innermost of the mo columns
+            y = torch.baddbmm(bias.repeat(mo // self.out_channels), inv_cos_w, z_re)
+        y = _accumulate(y, inv_sin_w, z_im)
         if quarters > 1:  # turn each map forward again, rows back to (h, w, r, s)
             y = _RowGather.apply(y.view(-1, b * self.out_channels), *reversed(rows))
         return y.view(h, w, rot, nsc, b, self.out_channels).permute(4, 5, 2, 3, 0, 1)
@@ -656,6 +666,15 @@ class GroupRSTConv(_BasisConv):
                 xr = torch.cat([xr, torch.zeros_like(xr[:, :, :, : self.scale_taps - 1])], dim=3)
             taps += [xr[:, :, :, la : la + nsc] for la in range(self.scale_taps)]
         return torch.stack(taps, dim=-1)
+
+
+def _accumulate(out: Tensor, m1: Tensor, m2: Tensor, alpha: float = 1) -> Tensor:
+    """``out += alpha m1 @ m2`` in place (batched or not), saving a GB-sized allocation on
+    the FFT path; autocast does not cast in-place ops, so the factors take ``out``'s dtype."""
+    m1, m2 = m1.to(out.dtype), m2.to(out.dtype)
+    if out.dim() == 3:
+        return out.baddbmm_(m1, m2, alpha=alpha)
+    return out.addmm_(m1, m2, alpha=alpha)
 
 
 class _GaussProduct(torch.autograd.Function):
