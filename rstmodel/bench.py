@@ -4,18 +4,25 @@ For each model: train step (forward + backward + Adam) at the training batch, ev
 that batch, eval latency at batch 1 (median of repeats), and peak resident memory. Each
 model runs in its own subprocess so peak memory is its own. Prints a markdown table and
 the ratio of each model to the first one (the baseline, ``cnn`` by default).
+
+``--against REV`` also measures every model at git revision REV (checked out into a
+temporary worktree, each model run right after its current-code run) and prints
+current / REV for each figure: old against new in one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -77,6 +84,37 @@ def measure(
     }
 
 
+@contextlib.contextmanager
+def _worktree(rev: str):
+    """A temporary detached git worktree of this repository at ``rev``."""
+    repo = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="rstcnn-bench-") as tmp:
+        path = Path(tmp) / "tree"
+        git = ["git", "-C", str(repo)]
+        done = subprocess.run(
+            [*git, "worktree", "add", "--detach", str(path), rev], capture_output=True, text=True
+        )
+        if done.returncode:
+            raise SystemExit(f"--against {rev}: git worktree add failed: {done.stderr.strip()}")
+        try:
+            yield path
+        finally:
+            subprocess.run([*git, "worktree", "remove", "--force", str(path)], check=False)
+
+
+def _measure_in(cwd: Path | None, name: str, args: argparse.Namespace) -> dict:
+    """One model's figures from a fresh process (``python -m rstmodel.bench`` run in ``cwd``,
+    whose own ``rstmodel`` comes first on the path)."""
+    cmd = [sys.executable, "-m", "rstmodel.bench", "--worker", name]
+    cmd += ["--batch", str(args.batch), "--repeats", str(args.repeats), "--device", args.device]
+    if args.method:
+        cmd += ["--method", args.method]
+    if args.bf16:
+        cmd.append("--bf16")
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=cwd).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> None:
     use_retaining_allocator()
     parser = argparse.ArgumentParser(description=__doc__)
@@ -86,6 +124,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--method", default=None, help="override the RST conv method")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast throughout")
+    parser.add_argument(
+        "--against", metavar="REV", help="also measure at git revision REV; print current / REV"
+    )
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -94,17 +135,14 @@ def main(argv: list[str] | None = None) -> None:
         row = measure(args.worker, args.batch, args.repeats, overrides, device, args.bf16)
         print(json.dumps(row))
         return
-    rows = []
-    for name in args.models:
-        cmd = [sys.executable, "-m", "rstmodel.bench", "--worker", name]
-        cmd += ["--batch", str(args.batch), "--repeats", str(args.repeats), "--device", args.device]
-        if args.method:
-            cmd += ["--method", args.method]
-        if args.bf16:
-            cmd.append("--bf16")
-        print(f"measuring {name} ...", file=sys.stderr, flush=True)
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        rows.append(json.loads(out.strip().splitlines()[-1]))
+    rows, old_rows = [], []
+    with _worktree(args.against) if args.against else contextlib.nullcontext() as tree:
+        for name in args.models:
+            print(f"measuring {name} ...", file=sys.stderr, flush=True)
+            rows.append(_measure_in(None, name, args))
+            if tree is not None:
+                print(f"measuring {name} at {args.against} ...", file=sys.stderr, flush=True)
+                old_rows.append(_measure_in(tree, name, args))
     base = rows[0]
     where = (
         torch.cuda.get_device_name(device)
@@ -130,6 +168,13 @@ def main(argv: list[str] | None = None) -> None:
             f"| {r['eval1_ms']:.1f} | {r['peak_gib']:.2f} | {r['train_s'] / base['train_s']:.1f}x "
             f"| {r['eval_s'] / base['eval_s']:.1f}x | {r['eval1_ms'] / base['eval1_ms']:.1f}x |"
         )
+    if old_rows:
+        print(f"\ncurrent / {args.against} (below 1: the current code is faster or smaller)")
+        print(f"\n| model | train step | eval b{args.batch} | eval b1 | {memory} |")
+        print("|---|---|---|---|---|")
+        for new, old in zip(rows, old_rows, strict=True):
+            ratios = [new[k] / old[k] for k in ("train_s", "eval_s", "eval1_ms", "peak_gib")]
+            print(f"| {new['model']} | " + " | ".join(f"{r:.2f}" for r in ratios) + " |")
 
 
 if __name__ == "__main__":

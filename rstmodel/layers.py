@@ -247,12 +247,15 @@ class LiftingRSTConv(_BasisConv):
         # [Cout, Cin, K] x [K, R, S, k, k] -> [Cout, R, S, Cin, k, k]
         return torch.einsum("oik,krsxy->orsixy", self.weight, self.basis)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def _check_images(self, x: Tensor) -> None:
         if x.dim() != 4 or x.shape[1] != self.in_channels:
             raise ValueError(
                 f"LiftingRSTConv expects images [B, {self.in_channels}, H, W], "
                 f"got shape {tuple(x.shape)}"
             )
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check_images(x)
         method = self.method
         if method is ConvMethod.TUNED and not self.training:
             paths = {ConvMethod.DIRECT: self.forward_direct, ConvMethod.BASIS: self.forward_basis}
@@ -314,6 +317,16 @@ class LiftingRSTConv(_BasisConv):
         (see ``is_spatial_major``): the mixing GEMM writes it in that layout directly, and the
         pooling and FFT convolutions that follow want it. x [B, Cin, H, W] -> [B, Cout, R, S,
         H, W]."""
+        resp = self._responses(x)  # [H, W, R, S, B, Cin*K]
+        c, nk = self.in_channels, self.spec.num_funcs
+        a = self.weight.reshape(self.out_channels, c * nk)  # [Cout, Cin*K]
+        resp2d = resp.view(-1, c * nk)
+        # [H*W*R*S*B, Cout]
+        y = resp2d @ a.t() if bias is None else torch.addmm(bias, resp2d, a.t())
+        return y.view(*resp.shape[:-1], self.out_channels).permute(4, 5, 2, 3, 0, 1)
+
+    def _responses(self, x: Tensor) -> Tensor:
+        """Responses to the K R S basis copies, spatial-major ``[H, W, R, S, B, Cin*K]``."""
         b, c, h, wd = x.shape
         rot, nk = self.spec.rotations, self.spec.num_funcs
         resp = []
@@ -323,12 +336,35 @@ class LiftingRSTConv(_BasisConv):
             ws = ws.unsqueeze(1).repeat(c, 1, 1, 1)  # [Cin*K*R, 1, ks, ks]
             y = F.conv2d(x, ws, padding=ws.shape[-1] // 2, groups=c)  # [B, Cin*K*R, H, W]
             resp.append(y.view(b, c * nk, rot, h, wd).permute(3, 4, 2, 0, 1))  # [H, W, R, B, Cin*K]
-        resp = torch.stack(resp, dim=3)  # [H, W, R, S, B, Cin*K]
-        a = self.weight.reshape(self.out_channels, c * nk)  # [Cout, Cin*K]
-        resp2d = resp.view(-1, c * nk)
-        # [H*W*R*S*B, Cout]
-        y = resp2d @ a.t() if bias is None else torch.addmm(bias, resp2d, a.t())
-        return y.view(*resp.shape[:-1], self.out_channels).permute(4, 5, 2, 3, 0, 1)
+        return torch.stack(resp, dim=3)
+
+    def pools_fused(self) -> bool:
+        """Whether ``forward_pooled`` applies: the call would take the basis path (AUTO or
+        BASIS; TUNED in eval mode times the unfused paths instead)."""
+        method = self.method
+        if method is ConvMethod.TUNED and not self.training:
+            return False
+        if method in (ConvMethod.AUTO, ConvMethod.TUNED):
+            method = self.choose_method()
+        return method is ConvMethod.BASIS
+
+    def forward_pooled(self, x: Tensor, *, relu: bool) -> Tensor:
+        """``RSTMaxPool(relu)(forward(x))`` on the basis path, without storing the
+        full-resolution map or its gradient (at batch 128 in ``rst_cnn_fb`` a 3.5 GB map):
+        the mixing GEMM runs two image rows at a time and pools them at once.
+        x [B, Cin, H, W] -> [B, Cout, R, S, H/2, W/2]."""
+        self._check_images(x)
+        b, _, h, w = x.shape
+        if h % 2 or w % 2:
+            raise ValueError(
+                f"RSTMaxPool needs even spatial sizes to stay exact under 90-degree turns, "
+                f"got {h}x{w}: resize the input"
+            )
+        resp = self._responses(x)  # [H, W, R, S, B, Cin*K]
+        rot, nsc, cout = self.spec.rotations, self.spec.num_scales, self.out_channels
+        a = self.weight.reshape(cout, -1)  # [Cout, Cin*K]
+        y = _PooledMix.apply(resp.view(h, -1, a.shape[1]), a, self.bias, relu, w)
+        return y.view(h // 2, w // 2, rot, nsc, b, cout).permute(4, 5, 2, 3, 0, 1)
 
 
 class GroupRSTConv(_BasisConv):
@@ -666,6 +702,66 @@ class GroupRSTConv(_BasisConv):
                 xr = torch.cat([xr, torch.zeros_like(xr[:, :, :, : self.scale_taps - 1])], dim=3)
             taps += [xr[:, :, :, la : la + nsc] for la in range(self.scale_taps)]
         return torch.stack(taps, dim=-1)
+
+
+class _PooledMix(torch.autograd.Function):
+    """``relu(maxpool2x2(resp @ a^T + bias))`` for spatial-major responses ``resp
+    [H, W*M, K']`` (the lifting layer's basis path, M = R*S*B), two rows of H at a time:
+    neither the full-resolution map nor its gradient is ever stored, only the pooled map
+    and a one-byte argmax (4: clamped by the ReLU). Returns ``[H/2, W/2, M, Cout]``."""
+
+    @staticmethod
+    def forward(ctx, resp: Tensor, a: Tensor, bias: Tensor | None, relu: bool, w: int):
+        h, wm, kk = resp.shape
+        m, cout = wm // w, a.shape[0]
+        keep = any(ctx.needs_input_grad[:3])
+        out = resp.new_empty(h // 2, w // 2, m, cout)
+        idx = torch.empty(out.shape, dtype=torch.uint8, device=out.device) if keep else None
+        rows = resp.new_empty(2, wm, cout)  # one pair of full-resolution rows, reused
+        for i in range(h // 2):
+            torch.matmul(resp[2 * i : 2 * i + 2], a.t(), out=rows)
+            q = rows.view(2, w // 2, 2, m, cout)
+            p0, p1, p2, p3 = q[0, :, 0], q[0, :, 1], q[1, :, 0], q[1, :, 1]
+            top, bottom = torch.maximum(p0, p1), torch.maximum(p2, p3)
+            o = torch.maximum(top, bottom, out=out[i])
+            if bias is not None:
+                o.add_(bias)
+            if keep:  # argmax in scan order, as RSTMaxPool
+                code = torch.where(
+                    bottom > top, (p3 > p2).to(torch.uint8) + 2, (p1 > p0).to(torch.uint8)
+                )
+                if relu:
+                    code.masked_fill_(o <= 0, 4)
+                idx[i] = code
+            if relu:
+                o.clamp_min_(0)
+        if keep:
+            ctx.save_for_backward(resp, a, idx)
+            ctx.w, ctx.has_bias = w, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        resp, a, idx = ctx.saved_tensors
+        w = ctx.w
+        h, wm, kk = resp.shape
+        m, cout = wm // w, a.shape[0]
+        need_resp, need_a, need_bias = ctx.needs_input_grad[:3]
+        grad_resp = resp.new_empty(resp.shape) if need_resp else None
+        grad_a = a.new_zeros(a.shape) if need_a else None
+        grad_bias = None
+        if need_bias and ctx.has_bias:
+            grad_bias = (grad * (idx < 4)).sum(dim=(0, 1, 2))
+        rows = grad.new_empty(2, wm, cout)
+        q = rows.view(2, w // 2, 2, m, cout)
+        for i in range(h // 2):
+            for d, (r, c) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
+                torch.mul(grad[i], idx[i] == d, out=q[r, :, c])
+            if need_a:
+                grad_a.addmm_(rows.view(-1, cout).t(), resp[2 * i : 2 * i + 2].reshape(-1, kk))
+            if need_resp:
+                torch.matmul(rows, a, out=grad_resp[2 * i : 2 * i + 2])
+        return grad_resp, grad_a, grad_bias, None, None
 
 
 def _accumulate(out: Tensor, m1: Tensor, m2: Tensor, alpha: float = 1) -> Tensor:

@@ -789,3 +789,34 @@ def test_gauss_product_equals_the_complex_product_with_gradients(grads):
     assert torch.autograd.gradcheck(
         lambda *p: layers_module._GaussProduct.apply(*p), parts, eps=1e-6, atol=1e-8
     )
+
+
+@pytest.mark.parametrize("relu", [True, False])
+def test_lifting_conv_fused_with_pooling_equals_conv_then_pool_with_gradients(relu):
+    conv = LiftingRSTConv(2, 3, SPEC, method="basis").to(F64)
+    with torch.no_grad():
+        conv.bias.normal_()
+    assert conv.pools_fused()
+    x = torch.randn(2, 2, 12, 12, dtype=F64, requires_grad=True)
+    grad_out = torch.randn(2, 3, 8, 2, 6, 6, dtype=F64)
+    results = []
+    for fused in (False, True):
+        x.grad = conv.weight.grad = conv.bias.grad = None
+        y = conv.forward_pooled(x, relu=relu) if fused else RSTMaxPool(relu=relu)(conv(x))
+        (y * grad_out).sum().backward()
+        results.append((y.detach(), x.grad.clone(), conv.weight.grad.clone(), conv.bias.grad))
+    for plain, fused in zip(*results, strict=True):
+        torch.testing.assert_close(fused, plain, rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="even spatial sizes"):
+        conv.forward_pooled(torch.randn(1, 2, 11, 12, dtype=F64), relu=relu)
+    with pytest.raises(ValueError, match=r"\[B, 2, H, W\]"):
+        conv.forward_pooled(torch.randn(1, 3, 12, 12, dtype=F64), relu=relu)
+
+
+def test_rst_cnn_runs_the_lifting_block_fused_and_equal_to_the_plain_sequence():
+    model = rstmodel.create_model("rst_cnn_fb", channels=(16, 4, 5)).to(F64).train()
+    block = model.blocks[0]
+    assert block[0].pools_fused()
+    x = torch.randn(2, 1, 56, 56, dtype=F64)
+    torch.testing.assert_close(block(x), nn.Sequential.forward(block, x), rtol=1e-10, atol=1e-10)
+    assert not rstmodel.create_model("rst_cnn_fb", method="direct").blocks[0][0].pools_fused()

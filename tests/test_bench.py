@@ -1,0 +1,37 @@
+"""``python -m rstmodel.bench``: the RST/CNN table and the old-against-new comparison."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "rstmodel.bench", "--batch", "2", "--repeats", "1", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_bench_compares_the_current_code_with_a_git_revision():
+    done = bench("--models", "cnn", "--against", "HEAD")
+    assert done.returncode == 0, done.stderr
+    assert "measuring cnn at HEAD ..." in done.stderr
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("| cnn | 494,805 |") for line in lines)
+    table = lines[lines.index("current / HEAD (below 1: the current code is faster or smaller)") :]
+    (row,) = [line for line in table if line.startswith("| cnn |")]
+    ratios = [float(v) for v in row.strip("|").split("|")[1:]]
+    assert len(ratios) == 4 and all(r > 0 for r in ratios)
+    # the worktree is gone afterwards
+    worktrees = subprocess.run(
+        ["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True
+    ).stdout
+    assert "rstcnn-bench-" not in worktrees
+
+
+def test_bench_names_an_unknown_revision():
+    done = bench("--models", "cnn", "--against", "no-such-revision")
+    assert done.returncode != 0
+    assert "--against no-such-revision: git worktree add failed" in done.stderr
