@@ -715,6 +715,11 @@ class _PooledMix(torch.autograd.Function):
         h, wm, kk = resp.shape
         m, cout = wm // w, a.shape[0]
         keep = any(ctx.needs_input_grad[:3])
+        ctx.dtypes = a.dtype, None if bias is None else bias.dtype
+        # under autocast the responses come in bfloat16: compute in their dtype (out= and
+        # in-place ops are not autocast)
+        a = a.to(resp.dtype)
+        bias = None if bias is None else bias.to(resp.dtype)
         out = resp.new_empty(h // 2, w // 2, m, cout)
         idx = torch.empty(out.shape, dtype=torch.uint8, device=out.device) if keep else None
         rows = resp.new_empty(2, wm, cout)  # one pair of full-resolution rows, reused
@@ -747,18 +752,19 @@ class _PooledMix(torch.autograd.Function):
         h, wm, kk = resp.shape
         m, cout = wm // w, a.shape[0]
         need_resp, need_a, need_bias = ctx.needs_input_grad[:3]
+        a_dtype, bias_dtype = ctx.dtypes
         grad_resp = resp.new_empty(resp.shape) if need_resp else None
-        grad_a = a.new_zeros(a.shape) if need_a else None
+        grad_a = a.new_zeros(a.shape, dtype=a_dtype) if need_a else None
         grad_bias = None
         if need_bias and ctx.has_bias:
-            grad_bias = (grad * (idx < 4)).sum(dim=(0, 1, 2))
+            grad_bias = (grad * (idx < 4)).sum(dim=(0, 1, 2)).to(bias_dtype)
         rows = grad.new_empty(2, wm, cout)
         q = rows.view(2, w // 2, 2, m, cout)
         for i in range(h // 2):
             for d, (r, c) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
                 torch.mul(grad[i], idx[i] == d, out=q[r, :, c])
-            if need_a:
-                grad_a.addmm_(rows.view(-1, cout).t(), resp[2 * i : 2 * i + 2].reshape(-1, kk))
+            if need_a:  # accumulated in the weight's dtype
+                grad_a += rows.view(-1, cout).t() @ resp[2 * i : 2 * i + 2].reshape(-1, kk)
             if need_resp:
                 torch.matmul(rows, a, out=grad_resp[2 * i : 2 * i + 2])
         return grad_resp, grad_a, grad_bias, None, None

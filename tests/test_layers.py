@@ -820,3 +820,18 @@ def test_rst_cnn_runs_the_lifting_block_fused_and_equal_to_the_plain_sequence():
     x = torch.randn(2, 1, 56, 56, dtype=F64)
     torch.testing.assert_close(block(x), nn.Sequential.forward(block, x), rtol=1e-10, atol=1e-10)
     assert not rstmodel.create_model("rst_cnn_fb", method="direct").blocks[0][0].pools_fused()
+
+
+def test_fused_lifting_block_trains_under_bfloat16_autocast():
+    torch.manual_seed(0)
+    model = rstmodel.create_model("rst_cnn_fb", channels=(16, 4, 5)).train()
+    block, x = model.blocks[0], torch.randn(2, 1, 56, 56)
+    assert block[0].pools_fused()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused, plain = block(x), nn.Sequential.forward(block, x)
+        loss = model(x).float().square().mean()
+    torch.testing.assert_close(fused.float(), plain.float(), rtol=0, atol=0)
+    loss.backward()
+    conv = block[0]
+    for grad in (conv.weight.grad, conv.bias.grad):
+        assert grad.dtype == torch.float32 and torch.isfinite(grad).all() and grad.abs().sum() > 0
