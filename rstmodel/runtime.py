@@ -14,6 +14,13 @@ memory for reuse; ``use_retaining_allocator`` then re-executes the process once 
   128 the same model outgrew 24 GB.
 
 Both are opt-in because a retaining heap peaks higher than the default allocator.
+
+Unset (or ``hugepages``), glibc is asked to back its large blocks with transparent huge
+pages (``glibc.malloc.hugetlb=1``, glibc >= 2.35, THP in ``madvise`` or ``always`` mode;
+elsewhere the tunable is ignored): the pages are still faulted in fresh every step, but
+512x fewer of them, at the same memory peak. ``rst_cnn_fb`` on 2 cores: eval at batch 128
+22.8-25.4 s -> 13.9-14.1 s, a training step at batch 32 11.7-12.1 s -> 7.8-10.2 s.
+``system`` leaves the process alone.
 """
 
 from __future__ import annotations
@@ -24,7 +31,13 @@ import os
 import platform
 import sys
 
-__all__ = ["use_retaining_allocator", "RETAINING_TUNABLES", "JEMALLOC_CONF", "find_jemalloc"]
+__all__ = [
+    "use_retaining_allocator",
+    "RETAINING_TUNABLES",
+    "HUGEPAGE_TUNABLES",
+    "JEMALLOC_CONF",
+    "find_jemalloc",
+]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +45,8 @@ log = logging.getLogger(__name__)
 RETAINING_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
 # never give dirty pages back to the kernel
 JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
+# large malloc blocks on transparent huge pages (madvise)
+HUGEPAGE_TUNABLES = "glibc.malloc.hugetlb=1"
 
 
 def find_jemalloc() -> str | None:
@@ -50,12 +65,13 @@ def _reexec(env: dict[str, str]) -> None:
 
 
 def use_retaining_allocator() -> None:
-    """Per ``RSTCNN_ALLOCATOR`` (``jemalloc`` or ``retain``; anything else: nothing),
-    re-exec this process (same interpreter and arguments) with a retaining heap, unless it
-    already runs with one or the platform has none (then a warning says so). Call it first
-    thing in a CLI's main."""
-    mode = os.environ.get("RSTCNN_ALLOCATOR", "").lower()
-    if mode not in ("retain", "jemalloc") or platform.system() != "Linux":
+    """Per ``RSTCNN_ALLOCATOR``, re-exec this process (same interpreter and arguments) once:
+    ``jemalloc`` or ``retain`` with a retaining heap, unset or ``hugepages`` with glibc's
+    huge-page tunable; ``system`` (or anything else): nothing. No re-exec when the process
+    already runs that way or the platform lacks it (for jemalloc a warning says so). Call it
+    first thing in a CLI's main."""
+    mode = os.environ.get("RSTCNN_ALLOCATOR", "").lower() or "hugepages"
+    if mode not in ("retain", "jemalloc", "hugepages") or platform.system() != "Linux":
         return
     env = dict(os.environ)
     if mode == "jemalloc":
@@ -75,9 +91,10 @@ def use_retaining_allocator() -> None:
         _reexec(env)
     if platform.libc_ver()[0] != "glibc":
         return
+    tunables = RETAINING_TUNABLES if mode == "retain" else HUGEPAGE_TUNABLES
     current = env.get("GLIBC_TUNABLES", "")
-    if RETAINING_TUNABLES in current:
+    if tunables in current:
         return
-    env["GLIBC_TUNABLES"] = ":".join(part for part in (current, RETAINING_TUNABLES) if part)
+    env["GLIBC_TUNABLES"] = ":".join(part for part in (current, tunables) if part)
     log.debug("re-executing with GLIBC_TUNABLES=%s", env["GLIBC_TUNABLES"])
     _reexec(env)

@@ -1,4 +1,4 @@
-"""The CLIs' opt-in allocator set-up re-executes the process once with glibc's tunables."""
+"""The CLIs' allocator set-up re-executes the process once with glibc's tunables."""
 
 import os
 import platform
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from rstmodel.runtime import RETAINING_TUNABLES
+from rstmodel.runtime import HUGEPAGE_TUNABLES, RETAINING_TUNABLES
 
 CODE = (
     "from rstmodel.runtime import use_retaining_allocator; use_retaining_allocator(); "
@@ -39,8 +39,16 @@ def test_existing_tunables_are_kept():
     )
 
 
-def test_default_leaves_the_environment_alone():
-    assert run({}) == ""
+@glibc_only
+def test_default_asks_glibc_for_huge_pages_once():
+    assert run({}) == HUGEPAGE_TUNABLES
+    assert run({"RSTCNN_ALLOCATOR": "hugepages"}) == HUGEPAGE_TUNABLES
+    already = f"glibc.malloc.arena_max=2:{HUGEPAGE_TUNABLES}"
+    assert run({"GLIBC_TUNABLES": already}) == already
+
+
+def test_system_leaves_the_environment_alone():
+    assert run({"RSTCNN_ALLOCATOR": "system"}) == ""
 
 
 JEMALLOC_CODE = (
