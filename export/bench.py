@@ -33,6 +33,7 @@ from torch import nn
 import rstmodel
 from export.bake import bake
 from export.to_onnx import export_model
+from rstmodel.runtime import use_retaining_allocator
 
 FORMS = ("eager", "baked", "onnx")
 
@@ -166,4 +167,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    use_retaining_allocator()  # RSTCNN_ALLOCATOR (default: huge pages): re-exec once
     sys.exit(main())

@@ -45,6 +45,7 @@ import rstmodel
 from export.bake import bake
 from rstmodel.checkpoint import CheckpointMeta, load_checkpoint
 from rstmodel.layers import GroupRSTConv, LiftingRSTConv
+from rstmodel.runtime import use_retaining_allocator
 
 __all__ = [
     "TOLERANCE",
@@ -309,4 +310,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    use_retaining_allocator()  # RSTCNN_ALLOCATOR (default: huge pages): re-exec once
     sys.exit(main())

@@ -36,6 +36,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: python train/bench.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rstmodel.runtime import use_retaining_allocator
 from train import run  # noqa: E402
 
 DEFAULT_BATCH = {"cnn": 128, "rst_cnn_fb": 32}
@@ -253,4 +254,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    use_retaining_allocator()  # RSTCNN_ALLOCATOR (default: huge pages): re-exec once
     sys.exit(main())

@@ -57,6 +57,7 @@ from rstmodel import (
     act_on_image,
 )
 from rstmodel.basis import BasisFamily
+from rstmodel.runtime import use_retaining_allocator
 from train.experiments import (
     SYNTHETIC,
     Stages,
@@ -410,4 +411,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    use_retaining_allocator()  # RSTCNN_ALLOCATOR (default: huge pages): re-exec once
     sys.exit(main())

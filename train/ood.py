@@ -44,6 +44,7 @@ from rstmodel.data.cache import default_cache_dir
 from rstmodel.data.rs import rotate_scale_upsize
 from rstmodel.data.sources import BaseDataset, find_source, load_source
 from rstmodel.data.stl10 import OOD_ANGLE_RANGE, OOD_SCALE_RANGE
+from rstmodel.runtime import use_retaining_allocator
 from train import report, run
 from train.experiments import plt, write_csv, write_json
 from train.reproduce import BUDGETS, Budget, shrink, train_trial
@@ -314,4 +315,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    use_retaining_allocator()  # RSTCNN_ALLOCATOR (default: huge pages): re-exec once
     sys.exit(main())

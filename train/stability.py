@@ -52,6 +52,7 @@ from rstmodel import (
 )
 from rstmodel.basis import BasisFamily
 from rstmodel.data import deform, jacobian_sup_norm
+from rstmodel.runtime import use_retaining_allocator
 from train.experiments import (
     SYNTHETIC,
     Stages,
@@ -457,4 +458,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    use_retaining_allocator()  # RSTCNN_ALLOCATOR (default: huge pages): re-exec once
     sys.exit(main())
