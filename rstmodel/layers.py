@@ -355,11 +355,7 @@ class LiftingRSTConv(_BasisConv):
         x [B, Cin, H, W] -> [B, Cout, R, S, H/2, W/2]."""
         self._check_images(x)
         b, _, h, w = x.shape
-        if h % 2 or w % 2:
-            raise ValueError(
-                f"RSTMaxPool needs even spatial sizes to stay exact under 90-degree turns, "
-                f"got {h}x{w}: resize the input"
-            )
+        _check_even(h, w)
         resp = self._responses(x)  # [H, W, R, S, B, Cin*K]
         rot, nsc, cout = self.spec.rotations, self.spec.num_scales, self.out_channels
         a = self.weight.reshape(cout, -1)  # [Cout, Cin*K]
@@ -606,11 +602,13 @@ class GroupRSTConv(_BasisConv):
             self._spectra[key] = spec
         return spec
 
-    def spectra(self, nh: int, nw: int, rotations: int | None = None) -> tuple[Tensor, Tensor]:
+    def spectra(
+        self, nh: int, nw: int, rotations: int | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         """Filter spectra G of the first ``rotations`` rotations (default all R) as
         (Re G, Im G - Re G, Re G + Im G), each ``[nh*Fw*rotations*S, Cin*T, Cout]``."""
         rotations = self.spec.rotations if rotations is None else rotations
-        basis_spec = self._basis_spectrum(nh, nw, rotations)  # [2, NFRS, K]
+        basis_spec = self._basis_spectrum(nh, nw, rotations)  # [3, NFRS, K]
         a = self.weight.permute(3, 1, 2, 0).reshape(self.spec.num_funcs, -1)  # [K, Cin*T*Cout]
         shape = (basis_spec.shape[1], self.in_channels * self.taps, self.out_channels)
         return tuple((part @ a).view(shape) for part in basis_spec)
@@ -726,20 +724,10 @@ class _PooledMix(torch.autograd.Function):
         for i in range(h // 2):
             torch.matmul(resp[2 * i : 2 * i + 2], a.t(), out=rows)
             q = rows.view(2, w // 2, 2, m, cout)
-            p0, p1, p2, p3 = q[0, :, 0], q[0, :, 1], q[1, :, 0], q[1, :, 1]
-            top, bottom = torch.maximum(p0, p1), torch.maximum(p2, p3)
-            o = torch.maximum(top, bottom, out=out[i])
-            if bias is not None:
-                o.add_(bias)
-            if keep:  # argmax in scan order, as RSTMaxPool
-                code = torch.where(
-                    bottom > top, (p3 > p2).to(torch.uint8) + 2, (p1 > p0).to(torch.uint8)
-                )
-                if relu:
-                    code.masked_fill_(o <= 0, 4)
+            quads = (q[0, :, 0], q[0, :, 1], q[1, :, 0], q[1, :, 1])
+            _, code = _pool_quads(*quads, out=out[i], bias=bias, relu=relu, argmax=keep)
+            if keep:
                 idx[i] = code
-            if relu:
-                o.clamp_min_(0)
         if keep:
             ctx.save_for_backward(resp, a, idx)
             ctx.w, ctx.has_bias = w, bias is not None
@@ -760,9 +748,9 @@ class _PooledMix(torch.autograd.Function):
             grad_bias = (grad * (idx < 4)).sum(dim=(0, 1, 2)).to(bias_dtype)
         rows = grad.new_empty(2, wm, cout)
         q = rows.view(2, w // 2, 2, m, cout)
+        quads = (q[0, :, 0], q[0, :, 1], q[1, :, 0], q[1, :, 1])
         for i in range(h // 2):
-            for d, (r, c) in enumerate(((0, 0), (0, 1), (1, 0), (1, 1))):
-                torch.mul(grad[i], idx[i] == d, out=q[r, :, c])
+            _unpool_quads(grad[i], idx[i], quads)
             if need_a:  # accumulated in the weight's dtype
                 grad_a += rows.view(-1, cout).t() @ resp[2 * i : 2 * i + 2].reshape(-1, kk)
             if need_resp:
@@ -948,23 +936,59 @@ class RSTBatchNorm(nn.BatchNorm3d):
         return torch.addcmul(shift, x, scale)
 
 
+def _check_even(h: int, w: int) -> None:
+    if h % 2 or w % 2:
+        raise ValueError(
+            f"RSTMaxPool needs even spatial sizes to stay exact under 90-degree turns, "
+            f"got {h}x{w}: resize the input"
+        )
+
+
+def _pool_quads(
+    p0: Tensor,
+    p1: Tensor,
+    p2: Tensor,
+    p3: Tensor,
+    *,
+    relu: bool,
+    argmax: bool,
+    out: Tensor | None = None,
+    bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """relu(max of the four 2x2 window positions p0..p3 (views in scan order) + bias), into
+    ``out`` if given; with ``argmax`` also the position that won, one byte per output, in
+    scan order (the first of equal values wins), 4 where the ReLU clamps (no gradient)."""
+    top, bottom = torch.maximum(p0, p1), torch.maximum(p2, p3)
+    m = torch.maximum(top, bottom, out=out)
+    if bias is not None:
+        m.add_(bias)
+    idx = None
+    if argmax:
+        idx = torch.where(bottom > top, (p3 > p2).to(torch.uint8) + 2, (p1 > p0).to(torch.uint8))
+        if relu:
+            idx.masked_fill_(m <= 0, 4)
+    if relu:
+        m.clamp_min_(0)
+    return m, idx
+
+
+def _unpool_quads(grad: Tensor, idx: Tensor, quads: list[Tensor] | tuple[Tensor, ...]) -> None:
+    """The gradient of ``_pool_quads``: ``grad`` into the window position ``idx`` names,
+    zeros into the other three (``quads``: the four positions' views, written whole)."""
+    for d, quad in enumerate(quads):
+        torch.mul(grad, idx == d, out=quad)
+
+
 class _MaxPoolReLU(torch.autograd.Function):
     """relu(max over 2x2 windows) of [N, H, W] planes; saves a uint8 argmax, not int64."""
 
     @staticmethod
     def forward(ctx, x: Tensor, relu: bool) -> Tensor:
         h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2
-        p0, p1, p2, p3 = (x[..., i:h:2, j:w:2] for i in (0, 1) for j in (0, 1))
-        top, bottom = torch.maximum(p0, p1), torch.maximum(p2, p3)
-        m = torch.maximum(top, bottom)
-        if relu:
-            m.clamp_min_(0)
-        if not ctx.needs_input_grad[0]:
+        quads = [x[..., i:h:2, j:w:2] for i in (0, 1) for j in (0, 1)]
+        m, idx = _pool_quads(*quads, relu=relu, argmax=ctx.needs_input_grad[0])
+        if idx is None:
             return m
-        # argmax in scan order (the first of equal values wins), one byte per output
-        idx = torch.where(bottom > top, (p3 > p2).to(torch.uint8) + 2, (p1 > p0).to(torch.uint8))
-        if relu:
-            idx.masked_fill_(m <= 0, 4)  # no gradient where relu clamps
         ctx.save_for_backward(idx)
         # the gradient takes the input's layout when that is dense (spatial-major, say)
         dense = x.is_contiguous() or is_spatial_major(x)
@@ -983,8 +1007,7 @@ class _MaxPoolReLU(torch.autograd.Function):
             gx = torch.empty_strided(shape, stride, dtype=grad.dtype, device=grad.device)
         if (shape[-2], shape[-1]) != (h, w):
             gx.zero_()
-        for d, (i, j) in enumerate((a, b) for a in (0, 1) for b in (0, 1)):
-            torch.mul(grad, idx == d, out=gx[..., i:h:2, j:w:2])
+        _unpool_quads(grad, idx, [gx[..., i:h:2, j:w:2] for i in (0, 1) for j in (0, 1)])
         return gx, None
 
 
@@ -1013,12 +1036,7 @@ class RSTMaxPool(nn.Module):
         return plain_module(forward, {}, "ExportedRSTMaxPool")
 
     def forward(self, x: Tensor) -> Tensor:
-        h, w = x.shape[-2:]
-        if h % 2 or w % 2:
-            raise ValueError(
-                f"RSTMaxPool needs even spatial sizes to stay exact under 90-degree turns, "
-                f"got {h}x{w}: resize the input"
-            )
+        _check_even(*x.shape[-2:])
         return _MaxPoolReLU.apply(x, self.relu)
 
 
