@@ -6,7 +6,7 @@ client serves every exported model. Images go through
 
     prepare    any accepted image(s) -> float32 [N, C, H, W] in [0, 1] at the model's size
     normalize  (x - mean) / std, per channel
-    run_logits one backend call per chunk of ``MAX_BATCH`` images -> [N, classes]
+    run_logits one backend call per chunk of ``max_batch`` images -> [N, classes]
 
 and ``predict_proba`` (softmax) / ``predict`` (top-k ``Prediction`` lists) chain them.
 
@@ -15,10 +15,12 @@ PIL images of any mode (1, L, P, RGB, RGBA, LA, CMYK, 16-bit grey, ...), file pa
 (``str`` / ``Path``), and arrays ``H x W``, ``H x W x 1``, ``H x W x 3``, ``H x W x 4``
 that are uint8 (0..255), uint16 (0..65535) or float in [0, 1]; a 4-D array is a batch of
 ``H x W x C`` images. Conversions: grey <-> RGB (ITU-R 601 luma), transparency composited
-on black (the data sets' background), the short side padded with black to a square (the
-aspect ratio is kept), then a bicubic resize to the model's size. Anything else (an empty
-batch, an unreadable or non-image file, more than ``MAX_PIXELS`` pixels, NaN or inf, other
-shapes or dtypes) raises ``ValueError`` with a message, before the model runs.
+on black (the data sets' background), files and PIL images over ``WORKING_SIDE`` pixels on
+a side box-reduced first (``serve.images``), then a bicubic resize that keeps the aspect
+ratio and black padding of the short side to the model's size. Files are opened by
+``serve.images.open_image`` (accepted formats only, size bounded from the header). Anything
+else (an empty batch, an unreadable or non-image file, more than ``MAX_PIXELS`` pixels, NaN
+or inf, other shapes or dtypes) raises ``ValueError`` with a message, before the model runs.
 """
 
 from __future__ import annotations
@@ -26,26 +28,27 @@ from __future__ import annotations
 import json
 import logging
 import os
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image
+
+from .images import MAX_PIXELS, WORKING_SIDE, check_size, open_image, shrink
 
 __all__ = ["MAX_PIXELS", "MAX_BATCH", "MAX_MODEL_BYTES", "Classifier", "Prediction"]
 
 log = logging.getLogger(__name__)
 
-MAX_PIXELS = 40_000_000  # per image: larger ones are refused before their pixels are decoded
-MAX_BATCH = 256  # images per backend call; larger batches are run in chunks
+# images per backend call; longer inputs run in chunks, so that memory is bounded by the
+# chunk (rst_cnn_fb: ~25 MB per image in onnxruntime on the CPU), not by the input's length
+MAX_BATCH = 32
 MAX_MODEL_BYTES = 1 << 30  # an ONNX file larger than this is refused unread
 
 _PREFIX = "rstcnn."
 _JSON_KEYS = ("class_names", "input_size", "normalization", "group", "accuracy")
-_GREY_16 = ("I;16", "I;16L", "I;16B", "I;16N")
 _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)  # ITU-R 601-2, as PIL's "L"
 _GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 
@@ -98,13 +101,18 @@ class Classifier:
         run: Callable[[np.ndarray], np.ndarray],
         metadata: dict[str, str],
         providers: Sequence[str],
+        *,
+        max_batch: int = MAX_BATCH,
     ):
         self.metadata = _decode_metadata(metadata)
         try:
             self._read_metadata()
         except (TypeError, KeyError, AttributeError) as err:
             raise ValueError(f"malformed rstcnn metadata ({type(err).__name__}: {err})") from None
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.providers = list(providers)
+        self.max_batch = max_batch
         self._run = run
 
     def _read_metadata(self) -> None:
@@ -136,6 +144,9 @@ class Classifier:
         path: str | Path,
         providers: Sequence[str] | None = None,
         threads: int | None = None,
+        *,
+        memory_arena: bool = False,
+        max_batch: int = MAX_BATCH,
     ) -> Classifier:
         """Load an ONNX file written by ``export/to_onnx.py``.
 
@@ -143,6 +154,10 @@ class Classifier:
         CUDA when this onnxruntime has it (the ``gpu`` extra), then the CPU. A requested
         GPU provider that onnxruntime could not start is logged as a warning (it falls
         back to the CPU silently). ``threads``: intra-op threads (default: onnxruntime's).
+        ``memory_arena``: onnxruntime's CPU memory arena, which keeps the largest run's
+        memory for later runs (off: each run's memory goes back to the system, so a
+        process's size returns to where it was after a large batch). ``max_batch``:
+        images per backend call.
         """
         import onnxruntime as ort
 
@@ -156,6 +171,7 @@ class Classifier:
             providers = [p for p in ("CUDAExecutionProvider",) if p in available]
             providers.append("CPUExecutionProvider")
         options = ort.SessionOptions()
+        options.enable_cpu_mem_arena = bool(memory_arena)
         if threads is not None:
             if threads < 1:
                 raise ValueError(f"threads must be >= 1, got {threads}")
@@ -185,7 +201,30 @@ class Classifier:
         def run(batch: np.ndarray) -> np.ndarray:
             return session.run([output_name], {input_name: batch})[0]
 
-        return cls(run, props, used)
+        classifier = cls(run, props, used, max_batch=max_batch)
+        classifier._check_graph(path.name, inputs[0].shape, outputs[0].shape)
+        return classifier
+
+    def _check_graph(self, name: str, input_shape: Sequence[Any], output_shape: Sequence[Any]):
+        """The metadata's input size and class count must be the graph's (where the graph
+        fixes them): a contradiction would only fail later, inside a run."""
+        fixed = [d if isinstance(d, int) else None for d in input_shape]
+        if len(fixed) != 4 or any(
+            got is not None and got != want
+            for got, want in zip(fixed[1:], self.input_size, strict=True)
+        ):
+            raise ValueError(
+                f"{name}: metadata input_size {list(self.input_size)} contradicts the graph's "
+                f"input {list(input_shape)} (re-export the checkpoint)"
+            )
+        classes = output_shape[-1] if output_shape else None
+        if len(output_shape) != 2 or (
+            isinstance(classes, int) and classes != len(self.class_names)
+        ):
+            raise ValueError(
+                f"{name}: {len(self.class_names)} class names in the metadata, but the graph's "
+                f"output is {list(output_shape)} (re-export the checkpoint)"
+            )
 
     @classmethod
     def from_tensorrt(cls, plan: str | Path) -> Classifier:
@@ -220,9 +259,10 @@ class Classifier:
     def run_logits(self, batch: np.ndarray) -> np.ndarray:
         """Logits ``[N, classes]`` of an already normalised float32 ``[N, C, H, W]``."""
         batch = self._check_batch(batch)
+        step = self.max_batch
         parts = [
-            np.asarray(self._run(np.ascontiguousarray(batch[i : i + MAX_BATCH])))
-            for i in range(0, batch.shape[0], MAX_BATCH)
+            np.asarray(self._run(np.ascontiguousarray(batch[i : i + step])))
+            for i in range(0, batch.shape[0], step)
         ]
         return np.concatenate(parts).astype(np.float32, copy=False)
 
@@ -281,9 +321,9 @@ def _as_list(images: Any) -> list[Any]:
 def _prepare_one(item: Any, channels: int, height: int, width: int) -> np.ndarray:
     """One image -> float32 ``[C, H, W]`` in [0, 1]."""
     if isinstance(item, (str, os.PathLike)):
-        pixels = _pil_pixels(_open(Path(item)))
+        pixels = _pil_pixels(open_image(Path(item)))
     elif isinstance(item, Image.Image):
-        _check_size(*item.size)
+        check_size(*item.size)
         pixels = _pil_pixels(item)
     elif isinstance(item, np.ndarray):
         pixels = _array_pixels(item)
@@ -295,57 +335,24 @@ def _prepare_one(item: Any, channels: int, height: int, width: int) -> np.ndarra
     return _fit(_to_channels(pixels, channels), height, width)
 
 
-def _check_size(width: int, height: int) -> None:
-    if width < 1 or height < 1:
-        raise ValueError(f"the image has no pixels ({width}x{height})")
-    if width * height > MAX_PIXELS:
-        raise ValueError(
-            f"the image has {width}x{height} = {width * height / 1e6:.1f} megapixels, over "
-            f"the {MAX_PIXELS / 1e6:g} megapixel limit (serve.MAX_PIXELS): downscale it"
-        )
-
-
-def _open(path: Path) -> Image.Image:
-    """Open, bound the size from the header, verify, reopen and decode an image file."""
-    if not path.is_file():
-        raise ValueError(f"cannot read {path}: no such file")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as probe:
-                _check_size(*probe.size)
-                probe.verify()
-            image = Image.open(path)
-            image.seek(0)
-            image.load()
-    except ValueError:
-        raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
-        raise ValueError(
-            f"{path} is over the {MAX_PIXELS / 1e6:g} megapixel limit (serve.MAX_PIXELS): {err}"
-        ) from None
-    except (UnidentifiedImageError, OSError, SyntaxError, EOFError) as err:
-        raise ValueError(f"cannot read {path} as an image: {err}") from None
-    return ImageOps.exif_transpose(image)
-
-
 def _pil_pixels(image: Image.Image) -> np.ndarray:
-    """A PIL image of any mode -> float32 ``[H, W, 1 or 3]`` in [0, 1], alpha on black."""
+    """A PIL image of any mode -> float32 ``[H, W, 1 or 3]`` in [0, 1], alpha on black, at
+    most ``WORKING_SIDE`` pixels on a side (``shrink``)."""
     mode = image.mode
-    if mode in _GREY_16:
-        return (np.asarray(image, dtype=np.float32) / 65535)[..., None]
-    if mode == "I":
-        return (np.clip(np.asarray(image, dtype=np.float64), 0, 65535) / 65535).astype(np.float32)[
-            ..., None
-        ]
+    if mode.startswith("I;16") or mode == "I":
+        grey = np.asarray(shrink(image), dtype=np.float64)
+        return (np.clip(grey, 0, 65535) / 65535).astype(np.float32)[..., None]
     if mode == "F":
-        return _float_pixels(np.asarray(image, dtype=np.float32))[..., None]
+        return _float_pixels(np.asarray(shrink(image), dtype=np.float32))[..., None]
     if mode in ("1", "L"):
-        return (np.asarray(image.convert("L"), dtype=np.float32) / 255)[..., None]
+        return (np.asarray(shrink(image.convert("L")), dtype=np.float32) / 255)[..., None]
     if "A" in mode or "a" in mode or (mode == "P" and "transparency" in image.info):
-        rgba = np.asarray(image.convert("RGBA"), dtype=np.float32) / 255
+        rgba = image.convert("RGBA")
+        if max(rgba.size) > WORKING_SIDE:  # premultiplied before it is reduced: no bleed
+            return np.asarray(shrink(rgba.convert("RGBa")), dtype=np.float32)[..., :3] / 255
+        rgba = np.asarray(rgba, dtype=np.float32) / 255
         return rgba[..., :3] * rgba[..., 3:]
-    return np.asarray(image.convert("RGB"), dtype=np.float32) / 255
+    return np.asarray(shrink(image.convert("RGB")), dtype=np.float32) / 255
 
 
 def _float_pixels(array: np.ndarray) -> np.ndarray:
@@ -369,7 +376,7 @@ def _array_pixels(array: np.ndarray) -> np.ndarray:
             f"array images must be H x W, H x W x 1, H x W x 3 or H x W x 4, got shape "
             f"{array.shape}"
         )
-    _check_size(array.shape[1], array.shape[0])
+    check_size(array.shape[1], array.shape[0])
     if array.dtype == np.uint8:
         pixels = array.astype(np.float32) / 255
     elif array.dtype == np.uint16:
@@ -395,20 +402,24 @@ def _to_channels(pixels: np.ndarray, channels: int) -> np.ndarray:
 
 
 def _fit(pixels: np.ndarray, height: int, width: int) -> np.ndarray:
-    """Pad the short side with black to the model's aspect ratio, then resize (bicubic).
-    ``[h, w, C]`` -> ``[C, height, width]``."""
+    """Resize (bicubic) to fit the model's size with the aspect ratio kept, then pad the
+    short side with black. ``[h, w, C]`` -> ``[C, height, width]``. Resizing first keeps
+    the cost bounded by the input, whatever its aspect ratio."""
     h, w = pixels.shape[:2]
-    if h * width != w * height:
-        th, tw = max(h, -(-w * height // width)), max(w, -(-h * width // height))
-        top, left = (th - h) // 2, (tw - w) // 2
-        padded = np.zeros((th, tw, pixels.shape[-1]), dtype=np.float32)
-        padded[top : top + h, left : left + w] = pixels
-        pixels = padded
+    scale = min(height / h, width / w)
+    th, tw = min(height, max(1, round(h * scale))), min(width, max(1, round(w * scale)))
     planes = np.moveaxis(pixels, -1, 0)
-    if planes.shape[1:] == (height, width):
+    if (th, tw) != (h, w):
+        planes = np.stack(
+            [
+                np.asarray(Image.fromarray(np.ascontiguousarray(p)).resize((tw, th), Image.BICUBIC))
+                for p in planes
+            ]
+        )
+        planes = np.clip(planes, 0, 1)
+    if (th, tw) == (height, width):
         return np.ascontiguousarray(planes, dtype=np.float32)
-    resized = [
-        np.asarray(Image.fromarray(np.ascontiguousarray(p)).resize((width, height), Image.BICUBIC))
-        for p in planes
-    ]
-    return np.clip(np.stack(resized), 0, 1).astype(np.float32)
+    out = np.zeros((planes.shape[0], height, width), dtype=np.float32)
+    top, left = (height - th) // 2, (width - tw) // 2
+    out[:, top : top + th, left : left + tw] = planes
+    return out

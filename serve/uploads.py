@@ -1,12 +1,14 @@
 """Decoding untrusted image uploads into arrays the classifiers accept.
 
 Every upload goes through ``decode_image``: the byte size is bounded before anything is
-decoded, the pixel count is read from the header and bounded before the pixels are, the
-file is verified and then reopened (a verified Pillow image cannot be loaded), and the
-result is a float32 array in [0, 1], ``[H, W]`` (grey) or ``[H, W, 3]`` (colour):
+read, and the file is opened by ``serve.images.open_image`` (accepted formats only, the
+pixel count bounded from the header before any pixel is decoded, verified, at most
+``WORKING_SIDE`` pixels on a side afterwards). The result is a float32 array in [0, 1],
+``[H, W]`` (grey) or ``[H, W, 3]`` (colour):
 
 - 1-bit, 8-bit and 16-bit grey (16-bit divided by 65535; 32-bit integer images are read as
-  16-bit data and clipped; float images are clipped to [0, 1]);
+  16-bit data and clipped; float images are clipped to [0, 1], and refused when they hold
+  NaN or infinity);
 - palette, CMYK, YCbCr, LAB and HSV images through RGB;
 - transparency (RGBA, LA, palette with a transparent colour) is flattened onto the
   background the models were trained on: black (white for images to be inverted);
@@ -19,12 +21,10 @@ Anything else raises ``UploadError`` with an HTTP status and a message for the u
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image
 
-from . import MAX_PIXELS
+from .images import MAX_PIXELS, ImageError, open_image, shrink
 
 __all__ = ["MAX_UPLOAD_BYTES", "MAX_PIXELS", "UploadError", "decode_image", "read_file"]
 
@@ -35,13 +35,7 @@ _ALPHA = ("RGBA", "RGBa", "LA", "La", "PA")
 _THROUGH_RGB = ("CMYK", "YCbCr", "LAB", "HSV", "RGBX")
 
 
-class UploadError(ValueError):
-    """An upload that cannot be classified; ``status`` is the HTTP status to answer with."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
+UploadError = ImageError  # an upload that cannot be classified, with its HTTP status
 
 
 def read_file(path: str, limit: int = MAX_UPLOAD_BYTES) -> bytes:
@@ -54,7 +48,8 @@ def read_file(path: str, limit: int = MAX_UPLOAD_BYTES) -> bytes:
 
 
 def decode_image(data: bytes, *, invert: bool = False) -> np.ndarray:
-    """Decode an uploaded image. bytes -> float32 ``[H, W]`` or ``[H, W, 3]`` in [0, 1].
+    """Decode an uploaded image. bytes -> float32 ``[H, W]`` or ``[H, W, 3]`` in [0, 1],
+    at most ``WORKING_SIDE`` pixels on a side (``serve.images``).
 
     ``invert``: the image shows a dark object on a light background: flatten transparency
     onto white and return ``1 - x``. Raises ``UploadError``.
@@ -63,54 +58,22 @@ def decode_image(data: bytes, *, invert: bool = False) -> np.ndarray:
         raise UploadError(400, "the upload is empty: choose an image file (PNG, JPEG, ...)")
     if len(data) > MAX_UPLOAD_BYTES:
         raise UploadError(413, f"the file is larger than the {_mib(MAX_UPLOAD_BYTES)} upload limit")
-    image = _open(data)
-    width, height = image.size
-    if width < 1 or height < 1:
-        raise UploadError(422, f"the image has no pixels ({width}x{height})")
-    if width * height > MAX_PIXELS:
-        raise UploadError(
-            413,
-            f"the image has {width}x{height} = {width * height / 1e6:.1f} megapixels; "
-            f"the limit is {MAX_PIXELS / 1e6:g} megapixels: downscale it first",
-        )
-    try:
-        image.verify()
-        image = _open(data)
-        image.seek(0)
-        image.load()
-        image = ImageOps.exif_transpose(image)
-    except UploadError:
-        raise
-    except Exception as err:  # Pillow raises many types for damaged files
-        raise UploadError(422, f"the image file is damaged or truncated ({err})") from err
+    image = open_image(data)
     pixels = _to_array(image, background=255 if invert else 0)
     return 1.0 - pixels if invert else pixels
-
-
-def _open(data: bytes) -> Image.Image:
-    try:
-        return Image.open(io.BytesIO(data))  # reads the header only
-    except UnidentifiedImageError as err:
-        raise UploadError(
-            415, "the file is not an image Pillow can read (PNG, JPEG, GIF, BMP, TIFF, WebP, ...)"
-        ) from err
-    except Image.DecompressionBombError as err:
-        raise UploadError(
-            413, f"the image is over the {MAX_PIXELS / 1e6:g} megapixel limit ({err})"
-        ) from err
-    except Exception as err:
-        raise UploadError(422, f"the image header is damaged ({err})") from err
 
 
 def _to_array(image: Image.Image, *, background: int) -> np.ndarray:
     """float32 [H, W] or [H, W, 3] in [0, 1], transparency flattened onto ``background``."""
     mode = image.mode
-    if mode in _GREY_16:
-        return np.asarray(image, dtype=np.float32) / 65535.0
-    if mode == "I":
-        return np.clip(np.asarray(image, dtype=np.float32), 0, 65535) / 65535.0
+    if mode in _GREY_16 or mode == "I":
+        return np.clip(np.asarray(shrink(image), dtype=np.float32), 0, 65535) / 65535.0
     if mode == "F":
-        return np.clip(np.nan_to_num(np.asarray(image, dtype=np.float32)), 0.0, 1.0)
+        image = shrink(image)
+        pixels = np.asarray(image, dtype=np.float32)
+        if not np.isfinite(pixels).all():
+            raise UploadError(422, "the image holds NaN or infinite values")
+        return np.clip(pixels, 0.0, 1.0)
     if mode == "P":
         image = image.convert("RGBA" if "transparency" in image.info else "RGB")
     elif mode in ("1", "L"):
@@ -124,7 +87,7 @@ def _to_array(image: Image.Image, *, background: int) -> np.ndarray:
         image = flat
     if image.mode not in ("L", "RGB"):
         image = image.convert("RGB")
-    return np.asarray(image, dtype=np.float32) / 255.0
+    return np.asarray(shrink(image), dtype=np.float32) / 255.0
 
 
 def _mib(size: int) -> str:

@@ -227,7 +227,7 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[object, str]]:
         "empty array batch": (np.zeros((0, 56, 56, 1), np.uint8), "empty"),
         "missing file": (tmp_path / "nowhere.png", "no such file"),
         "text file": (text, "cannot read"),
-        "truncated file": (truncated, "cannot read"),
+        "truncated file": (truncated, "truncated"),
         "100 megapixels (file)": (huge, "megapixel"),
         "49 megapixels (file)": (large, "megapixel"),
         "100 megapixels (array)": (np.broadcast_to(np.uint8(0), (10_000, 10_000)), "megapixel"),
