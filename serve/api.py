@@ -1,27 +1,33 @@
 """HTTP API: health, models, classification and stability sweeps (FastAPI).
 
-Every error is a 4xx JSON body ``{"detail": "<reason>"}``: 400 empty upload, 404 unknown
-model, 413 upload over ``MAX_UPLOAD_BYTES`` or image over ``MAX_PIXELS``, 415 not an image,
-422 damaged image or invalid form field. The classifiers are loaded once and shared by all
-requests (one onnxruntime session per model; ``InferenceSession.run`` is thread-safe), and
-the endpoints are plain functions, so FastAPI runs them on its worker threads.
+Every error is a JSON body ``{"detail": "<reason>"}`` with a string reason: 400 empty
+upload (or a request for another host), 403 a file the page did not upload, 404 unknown
+model, 408 a client too slow to send its request, 413 upload over ``MAX_UPLOAD_BYTES`` or
+image over ``MAX_PIXELS``, 415 not an image in an accepted format, 422 damaged image or
+invalid form field, 503 too many requests queued (with ``Retry-After``). The classifiers are
+loaded once and shared by all requests (one onnxruntime session per model;
+``InferenceSession.run`` is thread-safe), and the endpoints are plain functions, so FastAPI
+runs them on its worker threads. Each request runs inside a ``Gate``: classification and
+sweeps have their own bounds on how many run and wait at once.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Annotated, Any
 
-from fastapi import APIRouter, File, Form, HTTPException, UploadFile
+from fastapi import APIRouter, FastAPI, File, Form, HTTPException, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .guards import Busy, Gate
 from .stability import SweepSpec, measure_stability
 from .uploads import MAX_PIXELS, MAX_UPLOAD_BYTES, UploadError, decode_image
 
-__all__ = ["ModelSet", "BodyLimit", "create_router", "display_name"]
+__all__ = ["ModelSet", "Limits", "create_router", "display_name", "install_error_handlers"]
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +148,9 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (400, "empty upload"),
         (404, "unknown model"),
         (413, f"file over {MAX_UPLOAD_BYTES} bytes or image over {MAX_PIXELS} pixels"),
-        (415, "not an image"),
+        (415, "not an image in an accepted format"),
         (422, "damaged image or invalid field"),
+        (503, "too many requests queued; retry after Retry-After seconds"),
     )
 }
 
@@ -151,6 +158,57 @@ ImageField = Annotated[UploadFile, File(description="the image (PNG, JPEG, GIF, 
 InvertField = Annotated[
     bool, Form(description="dark object on a light background: invert before classifying")
 ]
+
+
+class Limits:
+    """How many requests of each kind run and wait at once (``Gate``). A sweep costs
+    ~1 GB for the shipped RST-CNN in onnxruntime and both cores for seconds, so one runs
+    at a time by default; classification is cheap."""
+
+    def __init__(
+        self,
+        *,
+        sweeps: int = 1,
+        sweep_queue: int = 8,
+        classify: int = 4,
+        classify_queue: int = 24,
+        wait: float = 120.0,
+    ):
+        self.sweeps = Gate("stability", running=sweeps, waiting=sweep_queue, wait=wait)
+        self.classify = Gate("classify", running=classify, waiting=classify_queue, wait=wait)
+
+    def describe(self) -> dict[str, int]:
+        return {
+            "sweeps_running": self.sweeps.running,
+            "sweeps_waiting": self.sweeps.waiting,
+            "classify_running": self.classify.running,
+            "classify_waiting": self.classify.waiting,
+        }
+
+
+@contextmanager
+def _admitted(gate: Gate) -> Iterator[None]:
+    """``gate.enter()``, a full gate answered with 503 and ``Retry-After``."""
+    try:
+        with gate.enter():
+            yield
+    except Busy as err:
+        raise HTTPException(503, str(err), headers={"Retry-After": str(err.retry_after)}) from err
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Invalid fields get 422 with a string ``detail`` ("top_k: Input should be ..."),
+    like every other error."""
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_field(request: Request, err: RequestValidationError) -> JSONResponse:
+        parts = []
+        for error in err.errors():
+            where = ".".join(
+                str(p) for p in error.get("loc", ()) if p not in ("body", "query", "path")
+            )
+            parts.append(f"{where}: {error.get('msg', 'invalid')}" if where else error["msg"])
+        return JSONResponse({"detail": "; ".join(parts) or "invalid request"}, status_code=422)
 
 
 def _decode(upload: UploadFile, invert: bool) -> Any:
@@ -169,9 +227,13 @@ def _run(action: Any) -> Any:
         raise HTTPException(422, str(err)) from err
 
 
-def create_router(models: ModelSet, *, spec: SweepSpec | None = None) -> APIRouter:
-    """The API routes over ``models``; ``spec`` sets the stability sweeps."""
+def create_router(
+    models: ModelSet, *, spec: SweepSpec | None = None, limits: Limits | None = None
+) -> APIRouter:
+    """The API routes over ``models``; ``spec`` sets the stability sweeps, ``limits`` how
+    many requests run at once."""
     spec = spec or SweepSpec()
+    limits = limits or Limits()
     router = APIRouter()
 
     @router.get("/healthz", tags=["service"])
@@ -185,7 +247,11 @@ def create_router(models: ModelSet, *, spec: SweepSpec | None = None) -> APIRout
         return {
             "default": models.default,
             "models": [models.info(name) for name in models.names],
-            "limits": {"max_upload_bytes": MAX_UPLOAD_BYTES, "max_pixels": MAX_PIXELS},
+            "limits": {
+                "max_upload_bytes": MAX_UPLOAD_BYTES,
+                "max_pixels": MAX_PIXELS,
+                **limits.describe(),
+            },
         }
 
     @router.post(
@@ -199,9 +265,10 @@ def create_router(models: ModelSet, *, spec: SweepSpec | None = None) -> APIRout
     ) -> dict[str, Any]:
         """Top-k classes of one image."""
         clf = models.get(model)
-        pixels = _decode(image, invert)
-        k = min(top_k, len(clf.class_names))
-        predictions = _run(lambda: clf.predict(pixels, top_k=k)[0])
+        with _admitted(limits.classify):
+            pixels = _decode(image, invert)
+            k = min(top_k, len(clf.class_names))
+            predictions = _run(lambda: clf.predict(pixels, top_k=k)[0])
         return {
             "model": model or models.default,
             "predictions": [
@@ -224,74 +291,13 @@ def create_router(models: ModelSet, *, spec: SweepSpec | None = None) -> APIRout
         (0-360 degrees), scale (log-spaced factors) and deformation (|grad tau|_inf 0-0.2)
         sweeps; each model runs all of them as one batch."""
         chosen = [(model, models.get(model))] if model else list(models)  # [(name, classifier)]
-        pixels = _decode(image, invert)
-        report = _run(
-            lambda: measure_stability(
-                [clf for _, clf in chosen], pixels, spec=spec, names=[n for n, _ in chosen]
+        with _admitted(limits.sweeps):
+            pixels = _decode(image, invert)
+            report = _run(
+                lambda: measure_stability(
+                    [clf for _, clf in chosen], pixels, spec=spec, names=[n for n, _ in chosen]
+                )
             )
-        )
         return report.to_dict()
 
     return router
-
-
-class BodyLimit:
-    """ASGI middleware: request bodies to paths under ``prefix`` over ``limit`` bytes get
-    413 JSON, by Content-Length up front or by counting a streamed body."""
-
-    def __init__(self, app: ASGIApp, *, limit: int, prefix: str = "/v1/"):
-        self.app = app
-        self.limit = limit
-        self.prefix = prefix
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope["headers"])
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._refuse(send)
-            return
-        seen = 0
-        started = False
-
-        async def counting_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise _TooLarge
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counting_receive, tracking_send)
-        except _TooLarge:
-            if not started:
-                await self._refuse(send)
-
-    async def _refuse(self, send: Send) -> None:
-        body = json.dumps(
-            {"detail": f"the request is larger than the {self.limit / 2**20:g} MiB limit"}
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
-
-
-class _TooLarge(Exception):
-    pass

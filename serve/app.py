@@ -7,7 +7,9 @@ One server: the HTTP API (``serve.api``: /healthz, /v1/models, /v1/classify, /v1
 OpenAPI docs at /docs) and the Gradio UI mounted at /. Nothing leaves the machine: Gradio's
 analytics are off, its front end and fonts are served from the installed package, and the
 server binds 127.0.0.1 unless told otherwise. Limits: uploads up to ``MAX_UPLOAD_BYTES``,
-images up to ``MAX_PIXELS`` pixels (``serve.uploads``).
+images up to ``MAX_PIXELS`` pixels (``serve.uploads``); the page's events read only files
+its upload component wrote (or the gallery's); requests for another host name, slow
+clients, oversized bodies and full queues are refused (``serve.guards``).
 """
 
 # ruff: noqa: E402  (Gradio reads its settings from the environment when it is imported)
@@ -20,6 +22,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
 
 import argparse
+import ctypes
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -28,10 +31,21 @@ from typing import Any
 
 import gradio as gr
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+from gradio.utils import get_upload_folder
 
 from rstmodel.data import default_cache_dir
 from serve import Classifier
-from serve.api import BodyLimit, ModelSet, create_router
+from serve.api import Limits, ModelSet, create_router, install_error_handlers
+from serve.guards import (
+    LOOPBACK_NAMES,
+    BodyLimit,
+    Busy,
+    HostCheck,
+    SecurityHeaders,
+    allowed_hosts,
+    server_config,
+)
 from serve.samples import Sample, write_samples
 from serve.stability import (
     StabilityReport,
@@ -40,7 +54,13 @@ from serve.stability import (
     plot_report,
     thumbnails,
 )
-from serve.uploads import MAX_PIXELS, MAX_UPLOAD_BYTES, UploadError, decode_image, read_file
+from serve.uploads import (
+    MAX_PIXELS,
+    MAX_UPLOAD_BYTES,
+    UploadError,
+    decode_image,
+    read_uploaded,
+)
 
 __all__ = ["build_app", "build_ui", "main", "DEFAULT_MODELS"]
 
@@ -76,15 +96,21 @@ def build_app(
     samples_dir: str | Path | None = None,
     spec: SweepSpec | None = None,
     threads: int | None = None,
+    limits: Limits | None = None,
+    hosts: Sequence[str] = LOOPBACK_NAMES,
+    cors_origins: Sequence[str] = (),
 ) -> FastAPI:
     """The API and the Gradio UI on one FastAPI app.
 
     ``models``: ONNX paths or ``Classifier`` objects (default: the shipped RST-CNN and CNN);
     ``samples_dir``: where the gallery's test images are written (default: the data cache's
-    ``app/samples``); ``threads``: onnxruntime intra-op threads per model.
+    ``app/samples``); ``threads``: onnxruntime intra-op threads per model; ``limits``: how
+    many requests run and wait at once; ``hosts``: the host names it answers to ("*": any);
+    ``cors_origins``: origins whose pages may call it (default: none).
     """
     model_set = ModelSet(_load(models, threads))
     spec = spec or SweepSpec()
+    limits = limits or Limits()
     folder = Path(samples_dir) if samples_dir else default_cache_dir() / "app" / "samples"
     samples = write_samples(folder)
     app = FastAPI(
@@ -93,12 +119,21 @@ def build_app(
         description="Roto-scale-translation equivariant CNNs: classification and prediction "
         "stability under rotation, scaling and deformation. The web app is at /.",
     )
+    # outermost last: host check, security headers, CORS, body size, then the app
     app.add_middleware(BodyLimit, limit=MAX_UPLOAD_BYTES + 2**20)  # + multipart overhead
-    app.include_router(create_router(model_set, spec=spec))
+    app.add_middleware(  # present even when empty: Gradio then adds no CORS of its own
+        CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"]
+    )
+    app.add_middleware(SecurityHeaders)
+    app.add_middleware(HostCheck, allowed=hosts)
+    install_error_handlers(app)
+    app.include_router(create_router(model_set, spec=spec, limits=limits))
     app.state.models = model_set
     app.state.samples = samples
-    blocks = build_ui(model_set, samples, spec=spec)
-    return gr.mount_gradio_app(
+    app.state.limits = limits
+    uploads = (get_upload_folder(), folder)
+    blocks = build_ui(model_set, samples, spec=spec, limits=limits, folders=uploads)
+    app = gr.mount_gradio_app(
         app,
         blocks,
         path="/",
@@ -108,10 +143,23 @@ def build_app(
         show_error=True,
         theme=gr.themes.Default(),  # local fonts only
     )
+    # Gradio checks the files named in an event's payload (only those its upload
+    # component wrote are taken, before anything opens them) once it counts as launched,
+    # which mounting alone does not set. The event reads through read_uploaded as well.
+    blocks.has_launched = True
+    return app
 
 
-def build_ui(models: ModelSet, samples: Sequence[Sample], *, spec: SweepSpec) -> gr.Blocks:
-    """The Gradio page over ``models``; ``samples`` fill the gallery."""
+def build_ui(
+    models: ModelSet,
+    samples: Sequence[Sample],
+    *,
+    spec: SweepSpec,
+    limits: Limits,
+    folders: Sequence[str | Path],
+) -> gr.Blocks:
+    """The Gradio page over ``models``; ``samples`` fill the gallery; the event reads only
+    files in ``folders`` (Gradio's upload folder and the gallery's)."""
     default = models.get(None)
     with gr.Blocks(title="RST-CNN: prediction stability", analytics_enabled=False) as demo:
         gr.Markdown(_intro(models, spec))
@@ -179,7 +227,13 @@ def build_ui(models: ModelSet, samples: Sequence[Sample], *, spec: SweepSpec) ->
         def analyse(
             picture: Any, drawing: Any, k: float, inverted: bool, tab: str
         ) -> Iterator[list[Any]]:
-            yield from _analyse(models, spec, picture, drawing, int(k), bool(inverted), tab)
+            try:
+                with limits.sweeps.enter():
+                    yield from _analyse(
+                        models, spec, picture, drawing, int(k), bool(inverted), tab, folders
+                    )
+            except Busy as err:
+                raise gr.Error(str(err), title="Busy") from err
 
         run.click(
             analyse,
@@ -187,8 +241,9 @@ def build_ui(models: ModelSet, samples: Sequence[Sample], *, spec: SweepSpec) ->
             outputs=[status, *labels, summary, plot, gallery],
             preprocess=False,  # uploads are decoded by serve.uploads, with its limits
             api_name="analyse",
-            concurrency_limit=2,
+            concurrency_limit=limits.sweeps.running,
         )
+    demo.queue(max_size=limits.sweeps.running + limits.sweeps.waiting)
     return demo
 
 
@@ -200,6 +255,7 @@ def _analyse(
     top_k: int,
     invert: bool,
     tab: str,
+    folders: Sequence[str | Path],
 ) -> Iterator[list[Any]]:
     """One UI request: decode; the top-k of each model at once (one image per model);
     then the sweeps (one batch per model), summary, plot and thumbnails."""
@@ -210,7 +266,7 @@ def _analyse(
         what = "Draw something first" if drawn else "Upload an image or pick a sample first"
         raise gr.Error(f"{what}.", title="No image")
     try:
-        pixels = decode_image(read_file(str(path)), invert=invert or drawn)
+        pixels = decode_image(read_uploaded(path, folders), invert=invert or drawn)
     except UploadError as err:
         raise gr.Error(err.message, title="This file cannot be classified") from err
     height, width = pixels.shape[:2]
@@ -298,6 +354,19 @@ def _percent(number: float) -> str:
     return f"{number:.1%}" if number <= 1 else f"{number:.1f}%"
 
 
+def return_memory_to_the_system() -> None:
+    """glibc only: hand freed blocks of 1 MB and more straight back to the system, and keep
+    two malloc arenas instead of one per thread, so that the server's size falls back
+    after a large request instead of growing with every worker thread (no-op elsewhere)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_mmap_threshold, m_arena_max = -3, -8  # mallopt parameters, malloc.h
+    libc.mallopt(m_mmap_threshold, 1 << 20)
+    libc.mallopt(m_arena_max, 2)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -309,11 +378,41 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--threads", type=int, default=None, help="onnxruntime threads per model")
     parser.add_argument("--samples-dir", default=None, help="gallery folder (default: data cache)")
+    parser.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another host name the server answers to (repeatable; '*' for any); by default "
+        "the loopback names and the bind address (a wildcard bind: this machine's names)",
+    )
+    parser.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="an origin (https://example.org) whose pages may call the API (repeatable; "
+        "default: none)",
+    )
+    parser.add_argument(
+        "--max-sweeps", type=int, default=1, help="stability sweeps run at once (default 1)"
+    )
+    parser.add_argument(
+        "--sweep-queue", type=int, default=8, help="sweeps waiting before 503 (default 8)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
 
+    return_memory_to_the_system()
     try:
-        app = build_app(args.model, samples_dir=args.samples_dir, threads=args.threads)
+        app = build_app(
+            args.model,
+            samples_dir=args.samples_dir,
+            threads=args.threads,
+            limits=Limits(sweeps=args.max_sweeps, sweep_queue=args.sweep_queue),
+            hosts=sorted(allowed_hosts(args.host, args.allowed_host)),
+            cors_origins=args.cors_origin,
+        )
     except (FileNotFoundError, ValueError) as err:
         parser.exit(2, f"error: {err}\n")
 
@@ -322,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     torch.set_num_threads(1)  # the sweeps' warps are small; onnxruntime does the heavy work
     log.info("serving on http://%s:%d (API docs at /docs)", args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    uvicorn.Server(server_config(app, host=args.host, port=args.port, log_level="warning")).run()
 
 
 if __name__ == "__main__":

@@ -21,12 +21,17 @@ Anything else raises ``UploadError`` with an HTTP status and a message for the u
 
 from __future__ import annotations
 
+import os
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+
 import numpy as np
 from PIL import Image
 
 from .images import MAX_PIXELS, ImageError, open_image, shrink
 
-__all__ = ["MAX_UPLOAD_BYTES", "MAX_PIXELS", "UploadError", "decode_image", "read_file"]
+__all__ = ["MAX_UPLOAD_BYTES", "MAX_PIXELS", "UploadError", "decode_image", "read_uploaded"]
 
 MAX_UPLOAD_BYTES = 20 * 1024 * 1024  # 20 MiB per uploaded file
 
@@ -38,9 +43,32 @@ _THROUGH_RGB = ("CMYK", "YCbCr", "LAB", "HSV", "RGBX")
 UploadError = ImageError  # an upload that cannot be classified, with its HTTP status
 
 
-def read_file(path: str, limit: int = MAX_UPLOAD_BYTES) -> bytes:
-    """The bytes of an uploaded file, refusing files over ``limit`` bytes before reading."""
-    with open(path, "rb") as handle:
+def read_uploaded(
+    path: str | os.PathLike, folders: Sequence[str | Path], limit: int = MAX_UPLOAD_BYTES
+) -> bytes:
+    """The bytes of a file the web page uploaded: ``path`` must resolve (symbolic links
+    followed) inside one of ``folders`` before anything opens it, and be a regular file of
+    at most ``limit`` bytes. Any other path gets the same 403, whether it exists or not."""
+    refused = UploadError(
+        403, "this file was not uploaded through the page: upload it again or pick a sample"
+    )
+    try:
+        real = Path(os.path.realpath(os.fspath(path)))
+        roots = [Path(os.path.realpath(folder)) for folder in folders]
+    except (OSError, TypeError, ValueError):  # ValueError: a NUL byte in the path
+        raise refused from None
+    if not any(real.is_relative_to(root) for root in roots):
+        raise refused
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        raise UploadError(422, "the uploaded file is gone: upload it again") from None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise refused
+        if info.st_size > limit:
+            raise UploadError(413, f"the file is larger than the {_mib(limit)} upload limit")
         data = handle.read(limit + 1)
     if len(data) > limit:
         raise UploadError(413, f"the file is larger than the {_mib(limit)} upload limit")

@@ -102,16 +102,24 @@ def free_port() -> int:
 
 
 @contextmanager
-def live_server(app: object) -> Iterator[str]:
-    """Serve ``app`` with uvicorn on 127.0.0.1 in a thread; yields the base URL. (Gradio
+def live_server(app: object, **timeouts: float) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on 127.0.0.1 in a thread, configured as ``serve/app.py``
+    does (``timeouts``: ``head_timeout``, ``body_timeout``); yields the base URL. (Gradio
     clients hold a heartbeat stream open; shutdown cancels it after 2 s, which uvicorn
     would log as an error: its log is kept to critical messages.)"""
     import uvicorn
 
+    from serve.guards import server_config
+
     port = free_port()
     server = uvicorn.Server(
-        uvicorn.Config(
-            app, host="127.0.0.1", port=port, log_level="critical", timeout_graceful_shutdown=2
+        server_config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            log_level="critical",
+            timeout_graceful_shutdown=2,
+            **timeouts,
         )
     )
     thread = threading.Thread(target=server.run, daemon=True)

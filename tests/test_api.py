@@ -60,7 +60,8 @@ def counted(model_paths) -> list[Counting]:
 @pytest.fixture(scope="module")
 def client(counted, samples, tmp_path_factory) -> TestClient:
     folder = samples[0].path.parent
-    return TestClient(build_app(counted, samples_dir=folder, spec=SPEC))
+    app = build_app(counted, samples_dir=folder, spec=SPEC)
+    return TestClient(app, base_url="http://127.0.0.1")
 
 
 def upload(data: bytes, name: str = "x.png", mime: str = "image/png") -> dict:
@@ -77,7 +78,14 @@ def test_health_models_and_docs(client):
     assert [m["architecture"] for m in listed["models"]] == ["rst_cnn_fb", "cnn"]
     assert listed["models"][0]["input_size"] == [1, 56, 56]
     assert len(listed["models"][1]["classes"]) == 10
-    assert listed["limits"] == {"max_upload_bytes": MAX_UPLOAD_BYTES, "max_pixels": MAX_PIXELS}
+    assert listed["limits"] == {
+        "max_upload_bytes": MAX_UPLOAD_BYTES,
+        "max_pixels": MAX_PIXELS,
+        "sweeps_running": 1,
+        "sweeps_waiting": 8,
+        "classify_running": 4,
+        "classify_waiting": 24,
+    }
 
     spec = client.get("/openapi.json").json()
     assert {"/healthz", "/v1/models", "/v1/classify", "/v1/stability"} <= set(spec["paths"])

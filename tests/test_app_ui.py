@@ -134,10 +134,12 @@ def test_drawing_is_inverted_and_flattened_on_white(tmp_path, samples, tmp_path_
     drawing = tmp_path / "drawing.png"
     strokes.save(drawing)
     steps = list(
-        _analyse(models, SPEC, None, {"composite": {"path": str(drawing)}}, 3, False, "draw")
+        _analyse(
+            models, SPEC, None, {"composite": {"path": str(drawing)}}, 3, False, "draw", [tmp_path]
+        )
     )
     assert len(steps) == 2 and "(inverted)" in steps[-1][0]
     expected = models.get("cnn").predict(pixels, top_k=3)[0]
     assert steps[-1][2] == pytest.approx({p.label: p.score for p in expected}, abs=2e-3)
     with pytest.raises(gr.Error, match="Draw something first"):
-        list(_analyse(models, SPEC, None, {"composite": None}, 3, False, "draw"))
+        list(_analyse(models, SPEC, None, {"composite": None}, 3, False, "draw", [tmp_path]))
