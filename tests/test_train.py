@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -258,6 +259,33 @@ def test_too_little_disk_space_fails_before_training(tmp_path, source, env, monk
     assert run.main(cli(source, out, "--epochs", "1")) == 2
     assert "MiB free" in capsys.readouterr().err
     assert not (out / "last.pt").exists() and not metrics(out)
+
+
+def test_disk_full_mid_checkpoint_is_one_line(tmp_path, source, env, monkeypatch, capsys):
+    def full(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(run, "save_checkpoint", full)
+    monkeypatch.setattr(logging.root, "handlers", [])  # log to this test's captured stderr
+    assert run.main(cli(source, tmp_path / "run", "--epochs", "1")) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    line = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and "disk is full" in line[0] and "--resume" in line[0]
+
+
+def test_read_only_data_cache_is_one_line(tmp_path, source, env, monkeypatch, capsys):
+    import rstmodel.data.cache as cache
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setenv("RSTCNN_DATA", str(tmp_path / "fresh-cache"))  # nothing cached yet
+    monkeypatch.setattr(cache, "_replace_atomically", read_only)
+    monkeypatch.setattr(logging.root, "handlers", [])  # log to this test's captured stderr
+    assert run.main(cli(source, tmp_path / "run", "--epochs", "1")) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "read-only" in err and "RSTCNN_DATA" in err
 
 
 def test_existing_runs_need_resume_with_the_same_settings(tmp_path, source, env, capsys):

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -1263,6 +1264,23 @@ def setup_cli(threads: int | None = None) -> None:
         torch.set_num_threads(threads)
 
 
+def describe_os_error(err: OSError) -> str:
+    """A file-system error as one line that says what to do. Checkpoints are written
+    atomically, so the last complete one is intact and ``--resume`` continues from it."""
+    where = f" ({err.filename})" if err.filename else ""
+    advice = {
+        errno.ENOSPC: "the disk is full: free space (or write elsewhere with --out), then "
+        "run again with --resume",
+        errno.EDQUOT: "the disk quota is used up: free space, then run again with --resume",
+        errno.EROFS: "the folder is on a read-only file system: choose a writable one "
+        "(--out for runs, RSTCNN_DATA or --data-root for the data cache)",
+        errno.EACCES: "no permission to write there: choose a writable folder (--out for "
+        "runs, RSTCNN_DATA or --data-root for the data cache)",
+        errno.EPERM: "no permission to write there: choose a writable folder",
+    }.get(err.errno, "check the path and the disk, then run again (with --resume to continue)")
+    return f"{err.strerror or err}{where}: {advice}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_cli(args.threads)
@@ -1278,6 +1296,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_SETUP
     except TrainingError as err:
         print(f"error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except OSError as err:  # a full disk, a read-only or missing folder: one line, no trace
+        print(f"error: {describe_os_error(err)}", file=sys.stderr)
         return EXIT_ERROR
     except (Interrupted, KeyboardInterrupt) as err:
         name = err.signal_name if isinstance(err, Interrupted) else "SIGINT"
