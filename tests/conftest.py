@@ -34,6 +34,24 @@ def seed() -> int:
     return SEED
 
 
+@pytest.fixture(scope="session")
+def samples(tmp_path_factory) -> list:
+    """The web app's gallery: real RS-Fashion test images (``serving.gallery``)."""
+    from serving import gallery
+
+    found = gallery(tmp_path_factory.getbasetemp())
+    assert found, "no real test images: install dataset-fashion-mnist (scripts/setup.sh)"
+    return found
+
+
+@pytest.fixture(scope="session")
+def model_paths(tmp_path_factory) -> list:
+    """Tiny exported models: [rst_cnn_fb.onnx, cnn.onnx] (``serving.tiny_onnx_models``)."""
+    from serving import tiny_onnx_models
+
+    return tiny_onnx_models(tmp_path_factory.getbasetemp())
+
+
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(SEED)

@@ -3,34 +3,18 @@ modes, one batch per model per stability request, and the sweeps' transforms."""
 
 from __future__ import annotations
 
-import struct
-import zlib
-from pathlib import Path
-
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
-from serving import gallery, grey, png_bytes, tiny_onnx_models
+from serving import grey, png_bytes
 
-from serve import MAX_PIXELS, Classifier
+from serve import MAX_PIXELS, Classifier, probes
 from serve.app import build_app
 from serve.stability import SweepSpec, build_sweeps, measure_stability
 from serve.uploads import MAX_UPLOAD_BYTES, UploadError, decode_image
 
 SPEC = SweepSpec(rotation_steps=8, scale_steps=5, deformation_steps=3)
-
-
-@pytest.fixture(scope="module")
-def model_paths(tmp_path_factory) -> list[Path]:
-    return tiny_onnx_models(tmp_path_factory.getbasetemp())
-
-
-@pytest.fixture(scope="module")
-def samples(tmp_path_factory) -> list:
-    found = gallery(tmp_path_factory.getbasetemp())
-    assert found, "no real test images: install dataset-fashion-mnist (scripts/setup.sh)"
-    return found
 
 
 class Counting:
@@ -132,24 +116,6 @@ def _scores(answer) -> dict[str, float]:
     return {p["label"]: p["score"] for p in answer.json()["predictions"]}
 
 
-def _png_header(width: int, height: int) -> bytes:
-    """A PNG whose header claims ``width x height`` grey pixels (a decompression bomb's
-    header; the data is a few bytes)."""
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return (
-            struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-        )
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", header)
-        + chunk(b"IDAT", zlib.compress(b"\0" * 64))
-        + chunk(b"IEND", b"")
-    )
-
-
 @pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
 @pytest.mark.parametrize(
     ("case", "status", "words"),
@@ -167,7 +133,7 @@ def test_bad_uploads_get_4xx_json(client, samples, case, status, words):
         "empty": b"",
         "text": b"this is not an image\n" * 10,
         "truncated": png[: len(png) // 2],
-        "100 megapixels": _png_header(10_000, 10_000),
+        "100 megapixels": probes.png_header(10_000, 10_000),
         "too many bytes": png + b"\0" * (MAX_UPLOAD_BYTES + 2**20),
     }[case]
     for endpoint in ("/v1/classify", "/v1/stability"):
@@ -228,7 +194,7 @@ def test_decode_image_values():
     colour = decode_image(png_bytes(cmyk, format="JPEG", quality=100))
     assert colour.shape == (8, 8, 3) and colour[0, 0] == pytest.approx([1, 0, 0], abs=0.02)
     with pytest.raises(UploadError) as err:
-        decode_image(_png_header(MAX_PIXELS, 2))
+        decode_image(probes.png_header(MAX_PIXELS, 2))
     assert err.value.status == 413
 
 

@@ -13,7 +13,7 @@ import pytest
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 from PIL import Image
-from serving import gallery, grey, live_server, tiny_onnx_models
+from serving import grey, live_server, tiny_onnx_models
 
 from serve import Classifier
 from serve.api import ModelSet
@@ -22,13 +22,6 @@ from serve.loadtest import run_load
 from serve.stability import SweepSpec
 
 SPEC = SweepSpec(rotation_steps=12, scale_steps=6, deformation_steps=4)
-
-
-@pytest.fixture(scope="module")
-def samples(tmp_path_factory) -> list:
-    found = gallery(tmp_path_factory.getbasetemp())
-    assert found, "no real test images: install dataset-fashion-mnist (scripts/setup.sh)"
-    return found
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import numpy as np
 import onnx
 import pytest
 from fastapi.testclient import TestClient
-from serving import gallery, live_server, tiny_onnx_models
+from serving import live_server
 
 from serve import Classifier, probes
 from serve.api import Limits
@@ -34,24 +34,12 @@ SPEC = SweepSpec(rotation_steps=4, scale_steps=3, deformation_steps=2)
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> list[Path]:
-    return tiny_onnx_models(tmp_path_factory.getbasetemp())
-
-
-@pytest.fixture(scope="module")
-def samples(tmp_path_factory) -> list:
-    found = gallery(tmp_path_factory.getbasetemp())
-    assert found, "no real test images: install dataset-fashion-mnist (scripts/setup.sh)"
-    return found
-
-
-@pytest.fixture(scope="module")
-def real_server(models, samples, tmp_path_factory) -> Iterator[tuple[str, int, Path]]:
+def real_server(model_paths, samples, tmp_path_factory) -> Iterator[tuple[str, int, Path]]:
     """``python serve/app.py`` as a user starts it -> (URL, its PID, its Gradio cache)."""
     cache = tmp_path_factory.mktemp("gradio-cache")
     env = {**os.environ, "GRADIO_TEMP_DIR": str(cache)}
     extra = ["--samples-dir", str(samples[0].path.parent), "--threads", "1"]
-    process, url = start_server([str(m) for m in models], extra=extra, env=env)
+    process, url = start_server([str(m) for m in model_paths], extra=extra, env=env)
     try:
         yield url, process.pid, cache
     finally:
@@ -212,8 +200,8 @@ class Held:
         return self.inner.run_logits(batch)
 
 
-def test_sweeps_beyond_the_queue_get_503_and_classification_goes_on(models, samples):
-    held = Held(Classifier.from_onnx(models[1], threads=1))
+def test_sweeps_beyond_the_queue_get_503_and_classification_goes_on(model_paths, samples):
+    held = Held(Classifier.from_onnx(model_paths[1], threads=1))
     app = build_app(
         [held],
         samples_dir=samples[0].path.parent,
@@ -264,23 +252,23 @@ def test_gate_bounds_running_and_waiting():
     assert gate.admitted == 0
 
 
-def test_long_inputs_run_in_chunks_of_max_batch(models):
-    clf = Classifier.from_onnx(models[1], threads=1, max_batch=8)
+def test_long_inputs_run_in_chunks_of_max_batch(model_paths):
+    clf = Classifier.from_onnx(model_paths[1], threads=1, max_batch=8)
     sizes: list[int] = []
     inner = clf._run
     clf._run = lambda batch: sizes.append(batch.shape[0]) or inner(batch)
     probs = clf.predict_proba(np.zeros((20, 56, 56, 1), np.uint8))
     assert probs.shape == (20, 10) and sizes == [8, 8, 4]
     with pytest.raises(ValueError, match="max_batch"):
-        Classifier.from_onnx(models[1], max_batch=0)
+        Classifier.from_onnx(model_paths[1], max_batch=0)
 
 
 # ---------------------------------------------------------------- 5. slow clients
 
 
 @pytest.fixture(scope="module")
-def quick_deadlines(models, samples) -> Iterator[str]:
-    app = build_app(models, samples_dir=samples[0].path.parent, spec=SPEC, threads=1)
+def quick_deadlines(model_paths, samples) -> Iterator[str]:
+    app = build_app(model_paths, samples_dir=samples[0].path.parent, spec=SPEC, threads=1)
     with live_server(app, head_timeout=1.0, body_timeout=1.5) as url:
         yield url
 
@@ -345,8 +333,8 @@ def test_chunked_body_over_the_limit_gets_413(quick_deadlines):
 
 
 @pytest.fixture(scope="module")
-def client(models, samples) -> TestClient:
-    app = build_app(models, samples_dir=samples[0].path.parent, spec=SPEC, threads=1)
+def client(model_paths, samples) -> TestClient:
+    app = build_app(model_paths, samples_dir=samples[0].path.parent, spec=SPEC, threads=1)
     return TestClient(app, base_url="http://127.0.0.1")
 
 
@@ -371,7 +359,7 @@ def test_security_headers_on_pages_answers_and_errors(client):
         assert "frame-ancestors 'none'" in answer.headers["content-security-policy"]
 
 
-def test_cors_only_for_named_origins(client, models, samples):
+def test_cors_only_for_named_origins(client, model_paths, samples):
     for origin in ("http://localhost:5555", "http://127.0.0.1:9999", "null", "https://evil.test"):
         simple = client.get("/healthz", headers={"origin": origin})
         assert "access-control-allow-origin" not in simple.headers
@@ -382,7 +370,7 @@ def test_cors_only_for_named_origins(client, models, samples):
         )
         assert "access-control-allow-origin" not in preflight.headers
     named = build_app(
-        models, samples_dir=samples[0].path.parent, cors_origins=["https://app.example.org"]
+        model_paths, samples_dir=samples[0].path.parent, cors_origins=["https://app.example.org"]
     )
     answer = TestClient(named, base_url="http://127.0.0.1").get(
         "/healthz", headers={"origin": "https://app.example.org"}
@@ -390,8 +378,8 @@ def test_cors_only_for_named_origins(client, models, samples):
     assert answer.headers["access-control-allow-origin"] == "https://app.example.org"
 
 
-def test_metadata_that_contradicts_the_graph_is_refused(models, tmp_path):
-    model = onnx.load(str(models[1]))
+def test_metadata_that_contradicts_the_graph_is_refused(model_paths, tmp_path):
+    model = onnx.load(str(model_paths[1]))
     for prop in model.metadata_props:
         if prop.key == "rstcnn.input_size":
             prop.value = json.dumps([1, 5000, 5000])
