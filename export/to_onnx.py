@@ -1,6 +1,7 @@
 """Export a checkpoint to one self-contained ONNX file, and check it against the eager model.
 
     python export/to_onnx.py CHECKPOINT [-o OUT.onnx] [--opset N] [--check N]
+                             [--precision fp32|int8|fp16] [--calibration N]
 
 The model is baked first (``export.bake``: static convolutions, batch norms folded), so the
 graph holds only standard ops (Conv, Relu, MaxPool, Reshape, ReduceMax, Gemm, ...). Input
@@ -19,8 +20,11 @@ structured) carry what inference needs, so one client serves every exported mode
 
 ``--check N`` runs onnxruntime and the eager model on N test images of the checkpoint's
 prepared data set and fails (exit 1) if any logit differs by more than 1e-4 or any top-1
-prediction differs. A corrupt, foreign or missing checkpoint, or data that is not
-prepared, exits with 2 and a one-line message.
+prediction differs. ``--precision int8`` (calibrated on ``--calibration`` training images)
+or ``fp16`` writes a reduced-precision copy of that graph (``export.precision``); with
+``--check`` the float32 graph is checked as above and the copy must keep its accuracy
+within ``GATE_POINTS`` of it on the same test images. A corrupt, foreign or missing
+checkpoint, or data that is not prepared, exits with 2 and a one-line message.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from torch import nn
 
 import rstmodel
 from export.bake import bake
+from export.precision import GATE_POINTS, PRECISIONS, convert, gate
 from rstmodel.checkpoint import CheckpointMeta, load_checkpoint
 from rstmodel.layers import GroupRSTConv, LiftingRSTConv
 from rstmodel.runtime import use_retaining_allocator
@@ -203,18 +208,34 @@ def _dataset_of(meta: CheckpointMeta) -> str:
     return "rs-fashion"
 
 
-def data_sample(meta: CheckpointMeta, count: int, *, stl10_root: str | Path | None = None):
-    """``count`` uint8 test images ``[N, C, H, W]`` of the data set the checkpoint was
-    trained on, read from the prepared cache (never prepared here)."""
+def data_sample(
+    meta: CheckpointMeta,
+    count: int,
+    *,
+    stl10_root: str | Path | None = None,
+    split: str = "test",
+    labels: bool = False,
+):
+    """``count`` uint8 images ``[N, C, H, W]`` (and their int64 labels with ``labels``) of
+    the data set the checkpoint was trained on, read from the prepared cache (never prepared
+    here). ``split``: "test" (the end of the RS permutation) or "train" (its start: the
+    images a model was trained on, for calibration)."""
     from rstmodel.data import RSConfig, default_cache_dir, load_stl10
     from rstmodel.data.cache import load_cached
 
+    if split not in ("test", "train"):
+        raise ValueError(f"split must be 'test' or 'train', got {split!r}")
     name = _dataset_of(meta)
     if name == "stl10":
         if stl10_root is None:
-            raise ExportError("--check on an STL-10 model needs --stl10-root DIR")
-        images = load_stl10(stl10_root).test_images
-        return images[:count]
+            raise ExportError("--check and int8 calibration on an STL-10 model need --stl10-root")
+        data = load_stl10(stl10_root)
+        images, targets = (
+            (data.test_images, data.test_labels)
+            if split == "test"
+            else (data.train_images, data.train_labels)
+        )
+        return (images[:count], targets[:count]) if labels else images[:count]
     run = meta.extra.get("run", {}) if isinstance(meta.extra, dict) else {}
     config = RSConfig(name, realisation=int(run.get("realization", 0) or 0))
     path = config.cache_path(default_cache_dir())
@@ -225,8 +246,11 @@ def data_sample(meta: CheckpointMeta, count: int, *, stl10_root: str | Path | No
         )
     arrays, _ = cached
     order = arrays["order"]
-    picked = np.sort(order[len(order) - count :])  # the end of the permutation is test data
-    return arrays["images"][picked][:, None]
+    # the start of the permutation is training data, its end test data
+    chosen = order[:count] if split == "train" else order[len(order) - count :]
+    picked = np.sort(chosen)
+    images = arrays["images"][picked][:, None]
+    return (images, arrays["labels"][picked]) if labels else images
 
 
 def check_onnx(
@@ -277,36 +301,84 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="compare onnxruntime with the eager model on N test images (exit 1 on failure)",
     )
     parser.add_argument("--stl10-root", type=Path, help="STL-10 folder, for --check on STL-10")
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fp32",
+        help="fp32 (default); int8: static quantization (QDQ, per-channel weights) "
+        "calibrated on training images; fp16: for GPUs / TensorRT. With --check, a reduced "
+        f"precision must keep accuracy within {GATE_POINTS} points of float32",
+    )
+    parser.add_argument(
+        "--calibration",
+        type=int,
+        metavar="N",
+        default=256,
+        help="int8: training images whose activation ranges set the scales (default 256)",
+    )
     args = parser.parse_args(argv)
     if args.check < 0:
         parser.error("--check needs a non-negative number of images")
+    if args.calibration < 1:
+        parser.error("--calibration needs at least one image")
     return args
+
+
+def _normalised(images: np.ndarray, meta: CheckpointMeta) -> np.ndarray:
+    mean = np.asarray(meta.mean, dtype=np.float32).reshape(1, -1, 1, 1)
+    std = np.asarray(meta.std, dtype=np.float32).reshape(1, -1, 1, 1)
+    return ((images.astype(np.float32) / 255 - mean) / std).astype(np.float32)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     log.setLevel(logging.INFO)
     args = parse_args(argv)
+    reduced = args.precision != "fp32"
     try:
         model, meta = load_checkpoint(args.checkpoint)
-        images = data_sample(meta, args.check, stl10_root=args.stl10_root) if args.check else None
+        where = {"stl10_root": args.stl10_root}
+        tests = data_sample(meta, args.check, labels=True, **where) if args.check else None
+        calibration = (
+            data_sample(meta, args.calibration, split="train", **where) if reduced else None
+        )
     except (ExportError, OSError, ValueError) as err:  # CheckpointError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         return EXIT_SETUP
     out = args.checkpoint.with_suffix(".onnx") if args.out is None else args.out
     shape = (meta.in_channels, meta.input_size, meta.input_size)
     metadata = onnx_metadata(model, meta, file_sha256(args.checkpoint))
-    export_model(model, out, input_shape=shape, metadata=metadata, opset=args.opset)
-    log.info("wrote %s (%s, %.2f MB)", out, meta.model_name, out.stat().st_size / 1e6)
-    if images is None:
-        return 0
-    result = check_onnx(out, model, images, meta.mean, meta.std)
-    verdict = "ok" if result.ok else "FAILED"
-    print(
-        f"check {verdict}: {result.count} images, max |logit diff| {result.max_abs_diff:.2e} "
-        f"(tolerance {TOLERANCE:.0e}), top-1 mismatches {result.top1_mismatches}"
-    )
-    return 0 if result.ok else EXIT_CHECK
+    fp32 = out.with_name(f".{out.stem}.fp32.onnx") if reduced else out
+    try:
+        export_model(model, fp32, input_shape=shape, metadata=metadata, opset=args.opset)
+        if reduced:
+            convert(
+                fp32,
+                out,
+                args.precision,
+                calibration=None if calibration is None else _normalised(calibration, meta),
+                calibration_source=f"{_dataset_of(meta)} training split, {args.calibration} "
+                "images from the start of the data set's permutation",
+            )
+        log.info("wrote %s (%s, %.2f MB)", out, meta.model_name, out.stat().st_size / 1e6)
+        if tests is None:
+            return 0
+        images, labels = tests
+        result = check_onnx(fp32, model, images, meta.mean, meta.std)
+        verdict = "ok" if result.ok else "FAILED"
+        print(
+            f"check {verdict}: {result.count} images, max |logit diff| {result.max_abs_diff:.2e} "
+            f"(tolerance {TOLERANCE:.0e}), top-1 mismatches {result.top1_mismatches}"
+            + (" (float32 graph)" if reduced else "")
+        )
+        if not reduced:
+            return 0 if result.ok else EXIT_CHECK
+        gated = gate(out, fp32, _normalised(images, meta), labels)
+        print(gated.report())
+        return 0 if result.ok and gated.ok else EXIT_CHECK
+    finally:
+        if reduced:
+            fp32.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

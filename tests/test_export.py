@@ -16,6 +16,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from PIL import Image
 from torch import nn
 
 import rstmodel
@@ -448,3 +449,64 @@ def test_tensorrt_engine_matches_onnxruntime(rst_export, tmp_path, fp16):
     got = trt_clf.run_logits(batch)  # 11 > max batch 8: two engine calls
     tolerance = 5e-2 if fp16 else 1e-3
     assert np.abs(got - expected).max() <= tolerance * max(1.0, np.abs(expected).max())
+
+
+# ---------------------------------------------------------------- reduced precision
+
+
+@pytest.fixture(scope="module")
+def real_test_images(tmp_path_factory):
+    """Normalised real test images and their labels (the app's gallery: RS-Fashion)."""
+    from serving import gallery
+
+    found = gallery(tmp_path_factory.getbasetemp())
+    images = np.stack([np.asarray(Image.open(s.path).convert("L")) for s in found])
+    labels = np.array([s.label for s in found])
+    return ((images[:, None].astype(np.float32) / 255 - 0.5) / 0.5).astype(np.float32), labels
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp16"])
+def test_reduced_precision_runs_in_the_classifier_and_is_gated(
+    rst_export, real_test_images, tmp_path, precision
+):
+    from export.precision import GATE_POINTS, convert, gate
+    from serve import Classifier
+
+    path = rst_export[0]
+    x, labels = real_test_images
+    out = tmp_path / f"{precision}.onnx"
+    convert(path, out, precision, calibration=x[:8], calibration_source="gallery")
+    meta = {p.key: p.value for p in onnx.load(out).metadata_props}
+    assert meta["rstcnn.precision"] == precision
+    assert json.loads(meta["rstcnn.class_names"]) == json.loads(
+        {p.key: p.value for p in onnx.load(path).metadata_props}["rstcnn.class_names"]
+    )
+    kinds = {n.op_type for n in onnx.load(out).graph.node}
+    if precision == "int8":
+        assert {"QuantizeLinear", "DequantizeLinear"} <= kinds
+        assert json.loads(meta["rstcnn.calibration"])["images"] == 8
+    else:
+        assert "Cast" in kinds and "rstcnn.calibration" not in meta
+    clf = Classifier.from_onnx(out, threads=1)
+    reference = Classifier.from_onnx(path, threads=1)
+    grey = ((x * 0.5 + 0.5) * 255).round().astype(np.uint8)[:, 0]
+    probs = clf.predict_proba(list(grey))
+    assert probs.shape == (len(x), 10) and np.allclose(probs.sum(1), 1, atol=1e-4)
+    agree = (probs.argmax(1) == reference.predict_proba(list(grey)).argmax(1)).mean()
+    assert agree >= 0.75  # a few flips at most on a small random-ish model
+    result = gate(out, path, x, labels)
+    assert result.precision == precision and result.count == len(x)
+    assert result.reference_quarter_turn < 1e-4  # float32: exactly invariant up to round-off
+    assert result.ok == (result.drop_points <= GATE_POINTS)
+    assert precision in result.report()
+
+
+def test_precision_arguments_are_checked(rst_export, tmp_path):
+    from export.precision import convert
+
+    with pytest.raises(ValueError, match="calibration"):
+        convert(rst_export[0], tmp_path / "a.onnx", "int8")
+    with pytest.raises(ValueError, match="precision"):
+        convert(rst_export[0], tmp_path / "a.onnx", "int4")
+    with pytest.raises(SystemExit):
+        to_onnx.parse_args([str(rst_export[3]), "--calibration", "0"])

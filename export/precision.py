@@ -1,0 +1,207 @@
+"""Reduced-precision copies of an exported float32 model, and the checks that gate them.
+
+- ``int8``: onnxruntime's static quantization in QDQ form (QuantizeLinear /
+  DequantizeLinear around each quantized op), int8 weights per output channel, uint8
+  activations with ranges calibrated (min-max) on real training images of the model's data
+  set;
+- ``fp16``: weights and activations in float16 for GPUs and TensorRT, the input and output
+  kept float32.
+
+Either way the graph keeps the float32 input ``images`` and output ``logits`` and the
+``rstcnn.*`` metadata, so ``serve.Classifier`` runs every variant unchanged; the metadata
+adds ``rstcnn.precision`` and, for int8, ``rstcnn.calibration`` (how many images, from
+where, which method).
+
+A converted file passes the gate (``gate``) when its top-1 accuracy on real test images is
+within ``GATE_POINTS`` of the float32 model's on the same images.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+__all__ = [
+    "GATE_POINTS",
+    "PRECISIONS",
+    "GateResult",
+    "convert",
+    "gate",
+    "quarter_turn_change",
+]
+
+PRECISIONS = ("fp32", "int8", "fp16")
+GATE_POINTS = 0.5  # accuracy points a reduced-precision file may lose against float32
+INPUT, OUTPUT = "images", "logits"
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    precision: str,
+    *,
+    calibration: np.ndarray | None = None,
+    calibration_source: str = "",
+) -> Path:
+    """Write ``src`` (a float32 model from ``export/to_onnx.py``) at ``precision`` to
+    ``dst``. ``calibration``: normalised float32 ``[N, C, H, W]`` images, needed for int8;
+    ``calibration_source`` says where they came from (recorded in the metadata)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    src, dst = Path(src), Path(dst)
+    source = onnx.load(str(src))
+    metadata = {p.key: p.value for p in source.metadata_props}
+    metadata["rstcnn.precision"] = precision
+    with tempfile.TemporaryDirectory() as tmp:
+        if precision == "int8":
+            if calibration is None or len(calibration) == 0:
+                raise ValueError("int8 needs calibration images")
+            proto = _quantize_int8(src, Path(tmp), np.asarray(calibration, dtype=np.float32))
+            metadata["rstcnn.calibration"] = json.dumps(
+                {
+                    "images": int(len(calibration)),
+                    "source": calibration_source,
+                    "method": "minmax",
+                    "weights": "int8 per channel",
+                    "activations": "uint8 per tensor",
+                    "format": "QDQ",
+                }
+            )
+        elif precision == "fp16":
+            from export.to_tensorrt import fp16_model  # the converter TensorRT builds use
+
+            proto = fp16_model(source)
+        else:
+            proto = source
+    _set_metadata(proto, metadata)
+    onnx.checker.check_model(proto)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    partial = dst.with_name(f".{dst.name}.tmp")
+    onnx.save(proto, str(partial))
+    partial.replace(dst)
+    return dst
+
+
+def _quantize_int8(src: Path, tmp: Path, calibration: np.ndarray) -> onnx.ModelProto:
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        CalibrationMethod,
+        QuantFormat,
+        QuantType,
+        quantize_static,
+    )
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    class Batches(CalibrationDataReader):
+        def __init__(self) -> None:
+            self._batches: Iterator[dict[str, np.ndarray]] = iter(
+                {INPUT: np.ascontiguousarray(calibration[i : i + 16])}
+                for i in range(0, len(calibration), 16)
+            )
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return next(self._batches, None)
+
+    prepared, quantized = tmp / "prepared.onnx", tmp / "int8.onnx"
+    quant_pre_process(str(src), str(prepared))  # shape inference and graph clean-up first
+    quantize_static(
+        str(prepared),
+        str(quantized),
+        Batches(),
+        quant_format=QuantFormat.QDQ,
+        per_channel=True,
+        activation_type=QuantType.QUInt8,
+        weight_type=QuantType.QInt8,
+        calibrate_method=CalibrationMethod.MinMax,
+    )
+    return onnx.load(str(quantized))
+
+
+def _set_metadata(proto: onnx.ModelProto, metadata: Mapping[str, str]) -> None:
+    del proto.metadata_props[:]
+    for key, value in metadata.items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, str(value)
+
+
+# ---------------------------------------------------------------- checks
+
+
+def _session(path: str | Path) -> Any:
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def _logits(session: Any, x: np.ndarray, batch: int = 32) -> np.ndarray:
+    return np.concatenate(
+        [session.run([OUTPUT], {INPUT: x[i : i + batch]})[0] for i in range(0, len(x), batch)]
+    )
+
+
+def quarter_turn_change(path: str | Path, x: np.ndarray, logits: np.ndarray | None = None):
+    """max |logits(rot90 x) - logits(x)| through onnxruntime, for normalised float32
+    ``x [N, C, H, W]`` (0 up to round-off for an exactly invariant float32 model);
+    ``logits``: those of ``x`` when already computed."""
+    session = _session(path)
+    turned = np.ascontiguousarray(np.rot90(x, 1, axes=(2, 3)))
+    plain = _logits(session, x) if logits is None else logits
+    return float(np.abs(_logits(session, turned) - plain).max())
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """A reduced-precision file against its float32 model on ``count`` test images."""
+
+    precision: str
+    count: int
+    accuracy: float  # of the converted file
+    reference_accuracy: float  # of the float32 model
+    top1_agreement: float
+    max_abs_diff: float
+    quarter_turn: float  # of the converted file
+    reference_quarter_turn: float
+
+    @property
+    def drop_points(self) -> float:
+        return 100 * (self.reference_accuracy - self.accuracy)
+
+    @property
+    def ok(self) -> bool:
+        return self.drop_points <= GATE_POINTS
+
+    def report(self) -> str:
+        return (
+            f"gate {'ok' if self.ok else 'FAILED'} ({self.precision}, {self.count} test images): "
+            f"accuracy {100 * self.accuracy:.2f} % against {100 * self.reference_accuracy:.2f} % "
+            f"in float32 (drop {self.drop_points:+.2f} points, limit {GATE_POINTS}); top-1 "
+            f"agreement {100 * self.top1_agreement:.1f} %, max |logit diff| "
+            f"{self.max_abs_diff:.3g}; quarter turn max |logit change| {self.quarter_turn:.3g} "
+            f"(float32 {self.reference_quarter_turn:.3g})"
+        )
+
+
+def gate(path: str | Path, reference: str | Path, x: np.ndarray, labels: np.ndarray) -> GateResult:
+    """Compare the converted file ``path`` with the float32 file ``reference`` on
+    normalised float32 test images ``x`` with their ``labels``."""
+    converted, base = _session(path), _session(reference)
+    out, ref = _logits(converted, x), _logits(base, x)
+    precision = onnx.load(str(path), load_external_data=False).metadata_props
+    named = {p.key: p.value for p in precision}.get("rstcnn.precision", "fp32")
+    return GateResult(
+        precision=named,
+        count=len(x),
+        accuracy=float((out.argmax(1) == labels).mean()),
+        reference_accuracy=float((ref.argmax(1) == labels).mean()),
+        top1_agreement=float((out.argmax(1) == ref.argmax(1)).mean()),
+        max_abs_diff=float(np.abs(out - ref).max()),
+        quarter_turn=quarter_turn_change(path, x, out),
+        reference_quarter_turn=quarter_turn_change(reference, x, ref),
+    )
