@@ -147,6 +147,7 @@ class Classifier:
         *,
         memory_arena: bool = False,
         max_batch: int = MAX_BATCH,
+        optimization: str = "all",
     ) -> Classifier:
         """Load an ONNX file written by ``export/to_onnx.py``.
 
@@ -157,7 +158,10 @@ class Classifier:
         ``memory_arena``: onnxruntime's CPU memory arena, which keeps the largest run's
         memory for later runs (off: each run's memory goes back to the system, so a
         process's size returns to where it was after a large batch). ``max_batch``:
-        images per backend call.
+        images per backend call. ``optimization``: onnxruntime's graph optimisation level,
+        "none", "basic", "extended" or "all" (default; includes the CPU's blocked conv
+        layout). The defaults are the fastest settings measured by ``python -m
+        serve.session_bench`` (BENCHMARKS.md).
         """
         import onnxruntime as ort
 
@@ -172,6 +176,17 @@ class Classifier:
             providers.append("CPUExecutionProvider")
         options = ort.SessionOptions()
         options.enable_cpu_mem_arena = bool(memory_arena)
+        levels = {
+            "none": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+            "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+            "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+            "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        }
+        if optimization not in levels:
+            raise ValueError(
+                f"optimization must be one of {', '.join(levels)}, got {optimization!r}"
+            )
+        options.graph_optimization_level = levels[optimization]
         if threads is not None:
             if threads < 1:
                 raise ValueError(f"threads must be >= 1, got {threads}")

@@ -316,6 +316,21 @@ def test_from_onnx_reads_the_metadata_and_runs(onnx_model):
     np.testing.assert_allclose(single[0], probs[1], atol=1e-6)
 
 
+def test_session_settings_give_the_same_answers(onnx_model):
+    images = [grey(seed=i) for i in range(4)]
+    expected = Classifier.from_onnx(onnx_model, threads=1).predict_proba(images)
+    for settings in (
+        {"optimization": "none"},
+        {"optimization": "basic"},
+        {"optimization": "extended"},
+        {"memory_arena": True, "threads": 2},
+    ):
+        got = Classifier.from_onnx(onnx_model, **settings).predict_proba(images)
+        np.testing.assert_allclose(got, expected, atol=1e-5, err_msg=str(settings))
+    with pytest.raises(ValueError, match="optimization"):
+        Classifier.from_onnx(onnx_model, optimization="max")
+
+
 def test_a_gpu_provider_that_cannot_start_is_reported(onnx_model, caplog):
     import onnxruntime as ort
 
