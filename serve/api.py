@@ -13,21 +13,31 @@ sweeps have their own bounds on how many run and wait at once.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Annotated, Any
 
+import numpy as np
 from fastapi import APIRouter, FastAPI, File, Form, HTTPException, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from .guards import Busy, Gate
-from .stability import SweepSpec, measure_stability
+from .stability import StabilityReport, SweepSpec, measure_stability
 from .uploads import MAX_PIXELS, MAX_UPLOAD_BYTES, UploadError, decode_image
 
-__all__ = ["ModelSet", "Limits", "create_router", "display_name", "install_error_handlers"]
+__all__ = [
+    "ModelSet",
+    "Limits",
+    "SweepCache",
+    "create_router",
+    "display_name",
+    "install_error_handlers",
+]
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +196,60 @@ class Limits:
         }
 
 
+class SweepCache:
+    """Stability reports of the gallery's images, computed once in the background after
+    start-up (``warm``) and keyed by the decoded pixels, so a request with one of those
+    images is answered at once, whatever file it came in. Only the gallery is stored: the
+    cache's size is fixed by it."""
+
+    def __init__(self, models: ModelSet, spec: SweepSpec, gate: Gate):
+        self.models, self.spec, self.gate = models, spec, gate
+        self._reports: dict[str, StabilityReport] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(pixels: np.ndarray) -> str:
+        digest = hashlib.sha256(f"{pixels.shape}{pixels.dtype}".encode())
+        digest.update(np.ascontiguousarray(pixels).tobytes())
+        return digest.hexdigest()
+
+    def __len__(self) -> int:
+        return len(self._reports)
+
+    def get(self, pixels: np.ndarray, model: str | None = None) -> StabilityReport | None:
+        """The stored report of ``pixels`` (for one ``model``, or all), or None."""
+        with self._lock:
+            report = self._reports.get(self.key(pixels))
+        if report is None or model is None:
+            return report
+        kept = [m for m in report.models if m.model == model]
+        return StabilityReport(report.spec, kept, report.sweeps) if kept else None
+
+    def warm(self, images: Sequence[np.ndarray]) -> threading.Thread:
+        """Sweep ``images`` (decoded, as ``decode_image`` returns them) in a daemon thread,
+        each through the sweep gate like a request; returns the thread."""
+
+        def run() -> None:
+            for pixels in images:
+                try:
+                    with self.gate.enter():
+                        report = measure_stability(
+                            [clf for _, clf in self.models],
+                            pixels,
+                            spec=self.spec,
+                            names=self.models.names,
+                        )
+                except Exception:  # a busy gate or a bad file: that image is swept on demand
+                    log.exception("could not precompute a gallery sweep")
+                    continue
+                with self._lock:
+                    self._reports[self.key(pixels)] = report
+
+        thread = threading.Thread(target=run, name="gallery-sweeps", daemon=True)
+        thread.start()
+        return thread
+
+
 @contextmanager
 def _admitted(gate: Gate) -> Iterator[None]:
     """``gate.enter()``, a full gate answered with 503 and ``Retry-After``."""
@@ -228,10 +292,14 @@ def _run(action: Any) -> Any:
 
 
 def create_router(
-    models: ModelSet, *, spec: SweepSpec | None = None, limits: Limits | None = None
+    models: ModelSet,
+    *,
+    spec: SweepSpec | None = None,
+    limits: Limits | None = None,
+    cache: SweepCache | None = None,
 ) -> APIRouter:
     """The API routes over ``models``; ``spec`` sets the stability sweeps, ``limits`` how
-    many requests run at once."""
+    many requests run at once; ``cache`` answers the gallery's images."""
     spec = spec or SweepSpec()
     limits = limits or Limits()
     router = APIRouter()
@@ -291,13 +359,16 @@ def create_router(
         (0-360 degrees), scale (log-spaced factors) and deformation (|grad tau|_inf 0-0.2)
         sweeps; each model runs all of them as one batch."""
         chosen = [(model, models.get(model))] if model else list(models)  # [(name, classifier)]
-        with _admitted(limits.sweeps):
+        with _admitted(limits.classify):
             pixels = _decode(image, invert)
-            report = _run(
-                lambda: measure_stability(
-                    [clf for _, clf in chosen], pixels, spec=spec, names=[n for n, _ in chosen]
+        report = cache.get(pixels, model) if cache is not None else None
+        if report is None:
+            with _admitted(limits.sweeps):
+                report = _run(
+                    lambda: measure_stability(
+                        [clf for _, clf in chosen], pixels, spec=spec, names=[n for n, _ in chosen]
+                    )
                 )
-            )
         return report.to_dict()
 
     return router

@@ -22,6 +22,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
 
 import argparse
+import contextlib
 import ctypes
 import logging
 import time
@@ -36,7 +37,7 @@ from gradio.utils import get_upload_folder
 
 from rstmodel.data import default_cache_dir
 from serve import Classifier
-from serve.api import Limits, ModelSet, create_router, install_error_handlers
+from serve.api import Limits, ModelSet, SweepCache, create_router, install_error_handlers
 from serve.guards import (
     LOOPBACK_NAMES,
     BodyLimit,
@@ -127,12 +128,14 @@ def build_app(
     app.add_middleware(SecurityHeaders)
     app.add_middleware(HostCheck, allowed=hosts)
     install_error_handlers(app)
-    app.include_router(create_router(model_set, spec=spec, limits=limits))
+    cache = SweepCache(model_set, spec, limits.sweeps)
+    app.include_router(create_router(model_set, spec=spec, limits=limits, cache=cache))
     app.state.models = model_set
     app.state.samples = samples
     app.state.limits = limits
+    app.state.sweep_cache = cache
     uploads = (get_upload_folder(), folder)
-    blocks = build_ui(model_set, samples, spec=spec, limits=limits, folders=uploads)
+    blocks = build_ui(model_set, samples, spec=spec, limits=limits, folders=uploads, cache=cache)
     app = gr.mount_gradio_app(
         app,
         blocks,
@@ -157,6 +160,7 @@ def build_ui(
     spec: SweepSpec,
     limits: Limits,
     folders: Sequence[str | Path],
+    cache: SweepCache | None = None,
 ) -> gr.Blocks:
     """The Gradio page over ``models``; ``samples`` fill the gallery; the event reads only
     files in ``folders`` (Gradio's upload folder and the gallery's)."""
@@ -228,10 +232,18 @@ def build_ui(
             picture: Any, drawing: Any, k: float, inverted: bool, tab: str
         ) -> Iterator[list[Any]]:
             try:
-                with limits.sweeps.enter():
-                    yield from _analyse(
-                        models, spec, picture, drawing, int(k), bool(inverted), tab, folders
-                    )
+                yield from _analyse(
+                    models,
+                    spec,
+                    picture,
+                    drawing,
+                    int(k),
+                    bool(inverted),
+                    tab,
+                    folders,
+                    limits=limits,
+                    cache=cache,
+                )
             except Busy as err:
                 raise gr.Error(str(err), title="Busy") from err
 
@@ -256,6 +268,9 @@ def _analyse(
     invert: bool,
     tab: str,
     folders: Sequence[str | Path],
+    *,
+    limits: Limits | None = None,
+    cache: SweepCache | None = None,
 ) -> Iterator[list[Any]]:
     """One UI request: decode; the top-k of each model at once (one image per model);
     then the sweeps (one batch per model), summary, plot and thumbnails."""
@@ -287,11 +302,18 @@ def _analyse(
         None,
     ]
     start = time.perf_counter()
-    report = measure_stability([clf for _, clf in models], pixels, spec=spec, names=models.names)
-    seconds = time.perf_counter() - start
+    report = cache.get(pixels) if cache is not None else None
+    if report is not None:
+        when = "a gallery image: swept at start-up"
+    else:
+        with limits.sweeps.enter() if limits is not None else contextlib.nullcontext():
+            report = measure_stability(
+                [clf for _, clf in models], pixels, spec=spec, names=models.names
+            )
+        when = f"in {time.perf_counter() - start:.1f} s"
     yield [
         f"{described}; {len(models)} models x {spec.batch_size} images, one batch per model, "
-        f"in {seconds:.1f} s.",
+        f"{when}.",
         *labels,
         _summary(report, models.display),
         plot_report(report, display_names=models.display),
@@ -352,6 +374,18 @@ def _accuracy(value: Any) -> str:
 
 def _percent(number: float) -> str:
     return f"{number:.1%}" if number <= 1 else f"{number:.1f}%"
+
+
+def warm_gallery(app: FastAPI) -> Any:
+    """Sweep the gallery's images in the background (``SweepCache.warm``), so that the
+    page and the API answer them at once; returns the thread."""
+    images = []
+    for sample in app.state.samples:
+        try:
+            images.append(decode_image(sample.path.read_bytes()))
+        except (OSError, UploadError) as err:
+            log.warning("gallery image %s not precomputed: %s", sample.path, err)
+    return app.state.sweep_cache.warm(images)
 
 
 def return_memory_to_the_system() -> None:
@@ -420,6 +454,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     import uvicorn
 
     torch.set_num_threads(1)  # the sweeps' warps are small; onnxruntime does the heavy work
+    warm_gallery(app)
     log.info("serving on http://%s:%d (API docs at /docs)", args.host, args.port)
     uvicorn.Server(server_config(app, host=args.host, port=args.port, log_level="warning")).run()
 

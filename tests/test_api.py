@@ -258,3 +258,39 @@ def test_sweep_transforms(samples):
     np.testing.assert_allclose(deformation.images[0], image, atol=1e-6)
     moved = [np.abs(d - image).mean() for d in deformation.images]
     assert 0 < moved[1] < moved[2]  # a larger |grad tau| moves the picture more
+
+
+def test_gallery_images_are_answered_from_sweeps_made_at_start_up(counted, samples):
+    from serve.app import _analyse, warm_gallery
+
+    app = build_app(counted, samples_dir=samples[0].path.parent, spec=SPEC)
+    client = TestClient(app, base_url="http://127.0.0.1")
+    png = samples[3].path.read_bytes()
+    fresh = client.post("/v1/stability", files=upload(png)).json()
+    warm_gallery(app).join(120)
+    assert len(app.state.sweep_cache) == len(samples)
+    before = [len(c.batches) for c in counted]
+    cached = client.post("/v1/stability", files=upload(png))
+    one = client.post("/v1/stability", files=upload(png), data={"model": "cnn"})
+    assert [len(c.batches) for c in counted] == before  # no model ran
+    assert cached.json() == fresh
+    assert [m["model"] for m in one.json()["models"]] == ["cnn"]
+    assert one.json()["models"][0] == fresh["models"][1]
+    other = png_bytes(Image.fromarray(255 - grey(samples[3].path)))  # not in the gallery
+    assert client.post("/v1/stability", files=upload(other)).status_code == 200
+    assert [len(c.batches) for c in counted] > before
+    models, spec = app.state.models, SPEC
+    steps = list(
+        _analyse(
+            models,
+            spec,
+            str(samples[3].path),
+            None,
+            3,
+            False,
+            "upload",
+            [samples[0].path.parent],
+            cache=app.state.sweep_cache,
+        )
+    )
+    assert "swept at start-up" in steps[-1][0]
