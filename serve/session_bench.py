@@ -2,7 +2,7 @@
 fresh process through ``serve.Classifier.from_onnx``, one table per model, in one run.
 
     python -m serve.session_bench [--model models/rst_cnn_fb.onnx --model models/cnn.onnx]
-                                  [--batch 43] [--repeats 20]
+                                  [--batch 43] [--repeats 20] [--setting defaults ...]
 
 Per setting: the time to load the model, the median latency of one image (``--repeats``
 calls), the time of a stability sweep's batch (``--batch`` images, median of 3), the peak
@@ -80,6 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", action="append", help="ONNX model (repeatable)")
     parser.add_argument("--batch", type=int, default=43, help="a sweep's batch (default 43)")
     parser.add_argument("--repeats", type=int, default=20, help="batch-1 calls (default 20)")
+    parser.add_argument(
+        "--setting", action="append", choices=list(SETTINGS), help="only these (repeatable)"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one setting, JSON on stdout
     args = parser.parse_args(argv)
     models = args.model or [str(REPO_ROOT / m) for m in DEFAULT_MODELS]
@@ -92,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     for model in models:
         rows = {}
-        for name in SETTINGS:
+        for name in args.setting or SETTINGS:
             command = [sys.executable, "-m", "serve.session_bench", "--child"]
             command += [json.dumps([model, name]), "--batch", str(args.batch)]
             command += ["--repeats", str(args.repeats)]
