@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, fx, nn
@@ -78,12 +78,20 @@ def cheaper_form(in_channels: int, out_channels: int, num_funcs: int, kernel: in
     return DIRECT if direct <= basis else BASIS
 
 
-def bake(model: nn.Module, example: Tensor | None = None) -> fx.GraphModule:
+FormRule = Callable[[int, int, int, int], str]
+
+
+def bake(
+    model: nn.Module, example: Tensor | None = None, *, form: FormRule = cheaper_form
+) -> fx.GraphModule:
     """Plain-torch eval-mode copy of ``model`` (see the module docstring).
     x [B, C, H, W] -> logits [B, classes].
 
     ``example``: an input batch, needed only to fix adaptive pools to static ones; by
     default a zero image of the model's ``config`` (``in_channels``, ``input_size``).
+    ``form(in_channels, out_channels, num_funcs, kernel)``: DIRECT or BASIS for each
+    convolution's scale (default ``cheaper_form``, which ``python -m export.forms_bench``
+    measured fastest in onnxruntime).
     """
     net = copy.deepcopy(model).eval()
     entry = "logits" if hasattr(net, "logits") else "forward"
@@ -93,7 +101,7 @@ def bake(model: nn.Module, example: Tensor | None = None) -> fx.GraphModule:
             ShapeProp(graph).propagate(_example(net, example))
         _drop_identities(graph)
         _fold_norms(graph)
-        _swap_layers(graph, _group_order(net))
+        _swap_layers(graph, _group_order(net), form)
     name = f"Baked{type(model).__name__}"
     baked = fx.GraphModule(graph, fx.Tracer().trace(graph), class_name=name)
     for p in baked.parameters():
@@ -337,7 +345,7 @@ def _window(layer: LiftingRSTConv | GroupRSTConv, s: int) -> slice:
 class _BakedLifting(nn.Module):
     """Lifting convolution in the group layout.  x [B, Cin, H, W] -> [S*R*B, Cout, H, W]."""
 
-    def __init__(self, layer: LiftingRSTConv, post: nn.Module):
+    def __init__(self, layer: LiftingRSTConv, post: nn.Module, form: FormRule):
         super().__init__()
         self.post = post  # per-image ops applied to each (r, s) output
         spec = layer.spec
@@ -346,12 +354,12 @@ class _BakedLifting(nn.Module):
         a = layer.weight.detach()  # [Cout, Cin, K]
         bias = layer.bias.detach() if layer.bias is not None else None
         self.rotations, self.in_channels, self.num_funcs = rot, cin, nk
-        self.forms = [cheaper_form(cin, cout, nk, ks) for ks in spec.kernel_sizes]
+        self.forms = [form(cin, cout, nk, ks) for ks in spec.kernel_sizes]
         self.convs = nn.ModuleList()
-        for s, form in enumerate(self.forms):
+        for s, chosen in enumerate(self.forms):
             w = _window(layer, s)
             basis = layer.basis[:, :, s, w, w].detach()  # [K, R, ks, ks]
-            if form == DIRECT:
+            if chosen == DIRECT:
                 # [Cout, Cin, K] x [K, R, ks, ks] -> [R*Cout, Cin, ks, ks]
                 filt = torch.einsum("oik,krxy->roixy", a, basis).flatten(0, 1)
                 self.convs.append(_static_conv(filt, None if bias is None else bias.repeat(rot)))
@@ -380,7 +388,7 @@ class _BakedGroupConv(nn.Module):
     """Group convolution in the group layout, one static conv (DIRECT) or basis conv plus
     shared 1x1 mixing (BASIS) per output (r, s).  x [S*R*B, Cin, H, W] -> [S*R*B, Cout, H, W]."""
 
-    def __init__(self, layer: GroupRSTConv, post: nn.Module):
+    def __init__(self, layer: GroupRSTConv, post: nn.Module, form: FormRule):
         super().__init__()
         self.post = post  # per-image ops applied to each (r, s) output
         spec = layer.spec
@@ -401,14 +409,14 @@ class _BakedGroupConv(nn.Module):
             ]
             for s in range(nsc)
         ]
-        self.forms = [cheaper_form(cin * taps, cout, nk, ks) for ks in spec.kernel_sizes]
+        self.forms = [form(cin * taps, cout, nk, ks) for ks in spec.kernel_sizes]
         self.convs = nn.ModuleList()
-        for s, form in enumerate(self.forms):
+        for s, chosen in enumerate(self.forms):
             w = _window(layer, s)
             basis = layer.basis[:, :, s, w, w].detach()  # [K, R, ks, ks]
             per_rotation = nn.ModuleList()
             for r in range(rot):
-                if form == DIRECT:
+                if chosen == DIRECT:
                     # [Cout, T, Cin, K] x [K, ks, ks] -> [Cout, T*Cin, ks, ks]
                     filt = torch.einsum("otik,kxy->otixy", a, basis[:, r]).flatten(1, 2)
                     per_rotation.append(_static_conv(filt, bias))
@@ -489,7 +497,7 @@ def _pointwise(m: _Pointwise) -> nn.Conv2d:
     return _static_conv(conv.weight.detach().flatten(1).unflatten(1, (-1, 1, 1)), conv.bias)
 
 
-def _swap_layers(graph: fx.GraphModule, group: int) -> None:
+def _swap_layers(graph: fx.GraphModule, group: int, form: FormRule) -> None:
     """Replace every RST layer by its group-layout bake. The pooling and what is left of
     the batch norm after a convolution run on each of its (r, s) outputs before they are
     concatenated (they act per image), so the concatenation moves a quarter of the data."""
@@ -512,7 +520,7 @@ def _swap_layers(graph: fx.GraphModule, group: int) -> None:
                 for dead in reversed(list(_chain(node, last))):
                     graph.graph.erase_node(dead)
             baked = _BakedLifting if isinstance(m, LiftingRSTConv) else _BakedGroupConv
-            new: nn.Module = baked(m, nn.Sequential(*post))
+            new: nn.Module = baked(m, nn.Sequential(*post), form)
         elif isinstance(m, RSTMaxPool):
             new = _Pool2x2(m.relu)
         elif isinstance(m, GroupMaxPool):

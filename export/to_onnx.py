@@ -39,6 +39,7 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -133,12 +134,15 @@ def export_model(
     input_shape: tuple[int, int, int],
     metadata: Mapping[str, str] | None = None,
     opset: int | None = None,
+    form: Any = None,
 ) -> Path:
     """Bake ``model`` and write it to ``path`` as one ONNX file (dynamic batch axis),
-    with ``metadata`` as ``metadata_props``. ``input_shape`` is (C, H, W)."""
+    with ``metadata`` as ``metadata_props``. ``input_shape`` is (C, H, W); ``form``: the
+    baking's per-scale form rule (``export.bake.bake``; default its own)."""
     path = Path(path)
     model = copy.deepcopy(model).float().cpu()
-    baked = bake(model, torch.zeros(1, *input_shape))
+    rule = {} if form is None else {"form": form}
+    baked = bake(model, torch.zeros(1, *input_shape), **rule)
     example = torch.zeros(2, *input_shape)
     with tempfile.TemporaryDirectory() as tmp:
         program = torch.onnx.export(
