@@ -12,7 +12,8 @@ every failure: a valid request not answered 200 with a well-formed body, or a ba
 answered with its expected 4xx. Exit status 1 when any request failed (or, in a soak, when
 the server grew past ``--max-rss-gb``). Only loopback addresses are accepted as targets.
 
-``--soak`` mixes classification (80 %), stability sweeps (4 %) and bad or hostile uploads
+``--soak`` mixes classification (80 %), stability sweeps (4 %, of the image mirrored, so
+that the server sweeps it rather than answering from its gallery cache) and bad or hostile uploads
 (16 %: empty, text, truncated, a decompression-bomb header, an ICO and a GIF whose
 headers lie, a NaN TIFF, a 40,000,000 x 1 PNG, bodies over the limit, declared and
 chunked, a forged ``Host``, an unknown model, a bad field) in a seeded order, and samples
@@ -225,7 +226,7 @@ def soak_probes(image: bytes) -> tuple[list[Probe], list[Probe], list[Probe]]:
     cnn = Probe("classify-cnn", "/v1/classify", body=image, data={"model": "cnn", "top_k": "3"})
     long = Probe("classify-40Mx1", "/v1/classify", body=probes.png_zeros(40_000_000, 1))
     classify = [default] * 4 + [cnn] * 3 + [long]
-    stability = [Probe("stability", "/v1/stability", body=image)]
+    stability = [Probe("stability", "/v1/stability", body=_mirrored(image))]
     bad = [
         Probe("empty", "/v1/classify", (400,), body=b""),
         Probe("text", "/v1/classify", (415,), body=b"not an image\n" * 20),
@@ -241,6 +242,16 @@ def soak_probes(image: bytes) -> tuple[list[Probe], list[Probe], list[Probe]]:
         Probe("bad-field", "/v1/classify", (422,), body=image, data={"top_k": "0"}),
     ]
     return classify, stability, bad
+
+
+def _mirrored(image: bytes) -> bytes:
+    """``image`` mirrored left to right, as PNG: not a gallery image, so the server sweeps
+    it instead of answering from the sweeps it made at start-up."""
+    from PIL import Image, ImageOps
+
+    buffer = io.BytesIO()
+    ImageOps.mirror(Image.open(io.BytesIO(image))).save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def soak_plan(image: bytes, requests: int, *, seed: int = 0) -> list[Probe]:
