@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Annotated, Any
@@ -225,21 +226,30 @@ class SweepCache:
         kept = [m for m in report.models if m.model == model]
         return StabilityReport(report.spec, kept, report.sweeps) if kept else None
 
-    def warm(self, images: Sequence[np.ndarray]) -> threading.Thread:
+    def warm(self, images: Sequence[np.ndarray], pause: float = 0.5) -> threading.Thread:
         """Sweep ``images`` (decoded, as ``decode_image`` returns them) in a daemon thread,
-        each through the sweep gate like a request; returns the thread."""
+        each only while no request is sweeping or waiting to (``Gate.enter_if_idle``,
+        retried every ``pause`` s), so a request waits at most for one of these sweeps;
+        returns the thread."""
 
-        def run() -> None:
-            for pixels in images:
+        def sweep(pixels: np.ndarray) -> StabilityReport:
+            while True:
                 try:
-                    with self.gate.enter():
-                        report = measure_stability(
+                    with self.gate.enter_if_idle():
+                        return measure_stability(
                             [clf for _, clf in self.models],
                             pixels,
                             spec=self.spec,
                             names=self.models.names,
                         )
-                except Exception:  # a busy gate or a bad file: that image is swept on demand
+                except Busy:
+                    time.sleep(pause)
+
+        def run() -> None:
+            for pixels in images:
+                try:
+                    report = sweep(pixels)
+                except Exception:  # a bad file: that image is swept on demand
                     log.exception("could not precompute a gallery sweep")
                     continue
                 with self._lock:

@@ -357,6 +357,25 @@ class Gate:
         return self._admitted
 
     @contextmanager
+    def enter_if_idle(self) -> Iterator[None]:
+        """Enter only when nobody is inside or waiting (``Busy`` at once otherwise): for
+        background work that must never make a request wait longer than its own run."""
+        with self._lock:
+            if self._admitted:
+                raise Busy(f"{self.name} requests are running", retry_after=1)
+            self._admitted += 1
+        try:
+            if not self._slots.acquire(timeout=self.wait):
+                raise Busy(f"no {self.name} slot became free", retry_after=1)
+            try:
+                yield
+            finally:
+                self._slots.release()
+        finally:
+            with self._lock:
+                self._admitted -= 1
+
+    @contextmanager
     def enter(self) -> Iterator[None]:
         with self._lock:
             if self._admitted >= self.running + self.waiting:

@@ -252,6 +252,15 @@ def test_gate_bounds_running_and_waiting():
     assert gate.admitted == 0
 
 
+def test_background_work_enters_only_an_idle_gate():
+    gate = Gate("test", running=1, waiting=4)
+    with gate.enter_if_idle():
+        assert gate.admitted == 1
+    with gate.enter(), pytest.raises(RuntimeError, match="running"), gate.enter_if_idle():
+        pass
+    assert gate.admitted == 0
+
+
 def test_long_inputs_run_in_chunks_of_max_batch(model_paths):
     clf = Classifier.from_onnx(model_paths[1], threads=1, max_batch=8)
     sizes: list[int] = []
