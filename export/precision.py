@@ -193,8 +193,7 @@ def gate(path: str | Path, reference: str | Path, x: np.ndarray, labels: np.ndar
     normalised float32 test images ``x`` with their ``labels``."""
     converted, base = _session(path), _session(reference)
     out, ref = _logits(converted, x), _logits(base, x)
-    precision = onnx.load(str(path), load_external_data=False).metadata_props
-    named = {p.key: p.value for p in precision}.get("rstcnn.precision", "fp32")
+    named = converted.get_modelmeta().custom_metadata_map.get("rstcnn.precision", "fp32")
     return GateResult(
         precision=named,
         count=len(x),

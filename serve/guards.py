@@ -24,7 +24,7 @@ import json
 import socket
 import threading
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -356,34 +356,27 @@ class Gate:
         """Callers inside or queued now."""
         return self._admitted
 
-    @contextmanager
-    def enter_if_idle(self) -> Iterator[None]:
+    def enter(self) -> AbstractContextManager[None]:
+        """A place inside (waiting up to ``wait`` s in the queue), or ``Busy``."""
+        return self._enter(
+            self.running + self.waiting,
+            f"the server is busy with {{admitted}} {self.name} requests; try again in a few "
+            "seconds",
+            retry_after=5,
+        )
+
+    def enter_if_idle(self) -> AbstractContextManager[None]:
         """Enter only when nobody is inside or waiting (``Busy`` at once otherwise): for
         background work that must never make a request wait longer than its own run."""
-        with self._lock:
-            if self._admitted:
-                raise Busy(f"{self.name} requests are running", retry_after=1)
-            self._admitted += 1
-        try:
-            if not self._slots.acquire(timeout=self.wait):
-                raise Busy(f"no {self.name} slot became free", retry_after=1)
-            try:
-                yield
-            finally:
-                self._slots.release()
-        finally:
-            with self._lock:
-                self._admitted -= 1
+        return self._enter(1, f"{self.name} requests are running", retry_after=1)
 
     @contextmanager
-    def enter(self) -> Iterator[None]:
+    def _enter(self, limit: int, full: str, *, retry_after: int) -> Iterator[None]:
+        """Admit the caller while fewer than ``limit`` are admitted (else ``Busy(full)``),
+        then wait for a running slot."""
         with self._lock:
-            if self._admitted >= self.running + self.waiting:
-                raise Busy(
-                    f"the server is busy with {self._admitted} {self.name} requests; "
-                    "try again in a few seconds",
-                    retry_after=5,
-                )
+            if self._admitted >= limit:
+                raise Busy(full.format(admitted=self._admitted), retry_after=retry_after)
             self._admitted += 1
         try:
             if not self._slots.acquire(timeout=self.wait):

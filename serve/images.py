@@ -25,7 +25,15 @@ from pathlib import Path
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-__all__ = ["FORMATS", "MAX_PIXELS", "WORKING_SIDE", "ImageError", "open_image", "shrink"]
+__all__ = [
+    "FORMATS",
+    "MAX_PIXELS",
+    "WORKING_SIDE",
+    "ImageError",
+    "check_size",
+    "open_image",
+    "shrink",
+]
 
 MAX_PIXELS = 40_000_000  # per image: larger ones are refused before their pixels are decoded
 WORKING_SIDE = 1024  # images larger than this on a side are reduced before anything else
