@@ -1,35 +1,42 @@
 #!/usr/bin/env bash
 # Everything a lent GPU machine is for, as ONE prepared command (a session gets ~15 minutes
-# of device time and one call may run at most 10): train the shipped models and run the
-# checks that skip without CUDA, inside a deadline, results copied to $OUT as they appear.
+# of device time and one call may run at most 10), results copied to $OUT as they appear:
 #
 #   bash scripts/gpu_session.sh            # on the GPU machine (the device tool's `run`)
-#   DEVICE=cpu DEADLINE=120 TRAIN_SIZE=512 MODEL_ARGS="channels=(4,6,8)" LIMIT_TEST=256 \
-#       DATA_ROOT=/usr/share/datasets/fashion-mnist bash scripts/gpu_session.sh
-#                                          # a dry run of the same script on the CPU (tested)
+#   DEVICE=cpu DEADLINE=120 TRAIN_SIZE=256 ... bash scripts/gpu_session.sh   # a CPU dry run (tested)
 #
-# What runs, side by side on the one GPU:
-#   * rst_cnn_fb on RS-Fashion (realisation 0, TRAIN_SIZE training images), the paper's
-#     recipe (Adam, lr 0.01, tenfold decay at half time, batch 128) for as many epochs as
-#     fit the deadline (at most MAX_EPOCHS): 8 timed training steps decide the count;
-#   * cnn, same data and epochs (a small fraction of the GPU);
-#   * tests/test_cuda.py and a one-GPU nccl torchrun smoke run of the DDP path.
-# Comes back in $OUT (at most 8 files): rst_cnn_fb.pt, cnn.pt (best-validation
-# checkpoints, test results written in), rst_cnn_fb.last.pt (to resume), results.tgz
-# (metrics.jsonl, summary.json and logs of everything).
+# 1. data: RS-Fashion realisation 0 rendered by every resampling pipeline (in parallel);
+# 2. train/fastpath.py: the training step and evaluation of rst_cnn_fb and the CNN under each
+#    precision (float32, TF32, bfloat16 autocast) and conv method, alone on the GPU; its
+#    fastest training setting is what every run below uses;
+# 3. side by side on the one GPU until DEADLINE (then Ctrl-C: each run saves last.pt):
+#    * the paper's protocol for rst_cnn_fb and cnn on RS-Fashion, N_tr 5000, 60 epochs, trial 0
+#      (train/reproduce.py --budget full: the like-for-like number and the first table shards);
+#    * the shipped models (INIT_DIR/NAME.pt) fine-tuned FT_EPOCHS epochs on TRAIN_SIZE images
+#      rendered by the training resampling pipelines, tested on our split and on the held-out
+#      Pillow pipeline (train/resampling.py's question, answered in the same run);
+#    * tests/test_cuda.py.
+# Comes back in $OUT: fastpath.md, fastpath.json, rst_cnn_fb.pt and cnn.pt (the fine-tuned
+# best checkpoints, test results written in), reproduce.tgz (the protocol runs' folders:
+# summary, metrics, last.pt to resume), results.tgz (logs and the fine-tunes' records).
 #
 # The machine has no apt and no internet: carry the Fashion-MNIST IDX files in .gpu_data/
 # (mkdir -p .gpu_data && cp /usr/share/datasets/fashion-mnist/*.gz .gpu_data/).
 set -uo pipefail
 
 DEVICE="${DEVICE:-cuda}"
-DEADLINE="${DEADLINE:-540}"          # seconds from the start of this script
-TRAIN_SIZE="${TRAIN_SIZE:-20000}"
-MAX_EPOCHS="${MAX_EPOCHS:-60}"
+DEADLINE="${DEADLINE:-530}"          # seconds from the start of this script
+TRAIN_SIZE="${TRAIN_SIZE:-20000}"    # the shipped models' N_tr
+FT_EPOCHS="${FT_EPOCHS:-2}"
+FT_LR="${FT_LR:-0.001}"
+INIT_DIR="${INIT_DIR-models}"       # empty: the fine-tunes start from scratch (dry run)
+REPRO_BUDGET="${REPRO_BUDGET:-full}"
+REPRO_SIZES="${REPRO_SIZES:-5000}"
 MODEL_ARGS="${MODEL_ARGS:-}"
 LIMIT_TEST="${LIMIT_TEST:-}"
-DATA_ROOT="${DATA_ROOT:-.gpu_data}"  # the Fashion-MNIST IDX files
 VAL_SIZE="${VAL_SIZE:-}"
+FASTPATH_ARGS="${FASTPATH_ARGS:-}"
+DATA_ROOT="${DATA_ROOT:-.gpu_data}"  # the Fashion-MNIST IDX files
 OUT="${OUT:-$PWD/runs/gpu-out}"
 WORK="${WORK:-/tmp/rstcnn-gpu}"
 PY="${PY:-}"
@@ -40,105 +47,93 @@ if [[ -z "$PY" ]]; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export RSTCNN_DATA="$WORK/data"
-mkdir -p "$OUT" "$WORK/logs"
+mkdir -p "$OUT" "$WORK/logs" "$WORK/robust"
 LOG="$WORK/logs/session.log"
 log() { echo "[gpu +$((SECONDS))s] $*" | tee -a "$LOG"; }
+TRAIN_PIPES=(bicubic bilinear bicubic-uint8 antialiased)
 
 collect() {  # what has appeared so far -> $OUT (comes back even if the call is cut off)
     local name
     for name in rst_cnn_fb cnn; do
-        [[ -f "$WORK/$name/best.pt" ]] && cp -f "$WORK/$name/best.pt" "$OUT/$name.pt.tmp" \
+        [[ -f "$WORK/robust/$name/best.pt" ]] && cp -f "$WORK/robust/$name/best.pt" "$OUT/$name.pt.tmp" \
             && mv -f "$OUT/$name.pt.tmp" "$OUT/$name.pt"
     done
-    [[ -f "$WORK/rst_cnn_fb/last.pt" ]] && cp -f "$WORK/rst_cnn_fb/last.pt" "$OUT/last.tmp" \
-        && mv -f "$OUT/last.tmp" "$OUT/rst_cnn_fb.last.pt"
-    (cd "$WORK" && tar czf "$OUT/results.tmp" logs $(ls -d */metrics.jsonl */summary.json \
-        ddp-nccl/*.json 2>/dev/null)) && mv -f "$OUT/results.tmp" "$OUT/results.tgz"
+    for name in fastpath.md fastpath.json; do
+        [[ -f "$WORK/fastpath/$name" ]] && cp -f "$WORK/fastpath/$name" "$OUT/$name"
+    done
+    [[ -d "$WORK/reproduce" ]] && (cd "$WORK" && tar czf "$OUT/reproduce.tmp" \
+        --exclude='best.pt' reproduce) && mv -f "$OUT/reproduce.tmp" "$OUT/reproduce.tgz"
+    (cd "$WORK" && tar czf "$OUT/results.tmp" logs $(ls -d robust/*/metrics.jsonl \
+        robust/*/summary.json robust/*/train.log 2>/dev/null)) && mv -f "$OUT/results.tmp" "$OUT/results.tgz"
 }
 
+log "python $PY, device $DEVICE, deadline ${DEADLINE}s"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$LOG" 2>&1
+"$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())' 2>&1 | tee -a "$LOG"
+
+# 1. every pipeline's rendering of realisation 0, one process each
+for pipe in "${TRAIN_PIPES[@]}" pillow; do
+    "$PY" -c "
+import sys
+from rstmodel.data import RSConfig, load_rs
+load_rs(RSConfig('rs-fashion', realisation=0, resampling='$pipe'), data_root=sys.argv[1])
+" "$DATA_ROOT" >"$WORK/logs/prepare-$pipe.log" 2>&1 &
+done
+wait
+log "data ready: $(ls "$RSTCNN_DATA"/rs-fashion/seed0/ 2>/dev/null | grep -c npz) renderings"
+
+# 2. the fast path, alone on the device
 extra=()
 [[ -n "$MODEL_ARGS" ]] && extra+=(--model-arg "$MODEL_ARGS")
+# shellcheck disable=SC2086
+timeout 150 "$PY" train/fastpath.py --device "$DEVICE" --out "$WORK/fastpath" "${extra[@]}" $FASTPATH_ARGS \
+    >"$WORK/logs/fastpath.log" 2>&1 || log "fastpath exit $?"
+FLAGS=$(sed -n 's/^FLAGS: //p' "$WORK/logs/fastpath.log" | tail -1)
+log "fastest training setting: flags '${FLAGS}'"
+collect
+
+# 3. the runs, side by side, each in its own process group (Ctrl-C reaches only it)
 [[ -n "$LIMIT_TEST" ]] && extra+=(--limit-test "$LIMIT_TEST")
 [[ -n "$VAL_SIZE" ]] && extra+=(--val-size "$VAL_SIZE")
-
-log "python $PY, device $DEVICE, deadline ${DEADLINE}s, train size $TRAIN_SIZE"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$LOG" 2>&1
-"$PY" -c 'import torch, onnxruntime as ort; print("torch", torch.__version__, "cuda",
-torch.cuda.is_available(), "| onnxruntime", ort.__version__, ort.get_available_providers())' \
-    2>&1 | tee -a "$LOG"
-"$PY" -c 'import tensorrt as trt; print("tensorrt", trt.__version__)' >>"$LOG" 2>&1 \
-    || log "tensorrt: not installed on this machine"
-
-"$PY" train/prepare_data.py --data rs-fashion --realizations 0 --data-root "$DATA_ROOT" \
-    >"$WORK/logs/prepare.log" 2>&1 || { log "data preparation failed"; tail -5 "$WORK/logs/prepare.log"; }
-log "data ready"
-
-# the CUDA tests and the nccl smoke run, in the background
-(
-    timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py >"$WORK/logs/test_cuda.log" 2>&1
-    echo "test_cuda exit $?" >>"$WORK/logs/test_cuda.log"
-    if [[ "$DEVICE" == cuda ]]; then
-        timeout 150 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 train/run.py --model cnn \
-            --data rs-fashion --train-size 512 --epochs 1 --device cuda --limit-test 512 \
-            --out "$WORK/ddp-nccl" >"$WORK/logs/ddp-nccl.log" 2>&1
-        echo "nccl DDP smoke exit $?" >>"$WORK/logs/ddp-nccl.log"
-    fi
-) &
-CHECKS=$!
-
-# how many epochs fit: 8 training steps of rst_cnn_fb at batch 128 (the last 5 timed)
-STEP=$("$PY" - "$DEVICE" "$MODEL_ARGS" <<'EOF' 2>>"$LOG"
-import ast, sys, time
-import torch
-import torch.nn.functional as F
-import rstmodel
-from train.run import use_tf32
-device = torch.device(sys.argv[1])
-use_tf32(device, True)  # as train/run.py by default
-kwargs = dict([(k, ast.literal_eval(v)) for k, v in [sys.argv[2].split("=", 1)]]) if sys.argv[2] else {}
-model = rstmodel.create_model("rst_cnn_fb", **kwargs).to(device)
-opt = torch.optim.Adam(model.parameters(), lr=0.01)
-x = torch.randn(128, 1, 56, 56, device=device)
-y = torch.randint(0, 10, (128,), device=device)
-for i in range(8):
-    if i == 3:
-        torch.cuda.synchronize() if device.type == "cuda" else None
-        began = time.perf_counter()
-    opt.zero_grad()
-    F.cross_entropy(model(x), y).backward()
-    opt.step()
-torch.cuda.synchronize() if device.type == "cuda" else None
-print(f"{(time.perf_counter() - began) / 5:.4f}")
-EOF
-)
-# an epoch: its steps, plus validation (2,000 images) and loading, ~ +20 %; the test pass over
-# the rest of the 70,000 images at ~0.4 of a training step per batch of 128
-EPOCHS=$("$PY" -c "
-import math
-step, size, left = $STEP, $TRAIN_SIZE, $DEADLINE - $SECONDS
-test = (70000 - size - 2000) / 128 * 0.4 * step + 30
-epoch = math.ceil(size / 128) * step * 1.2 + 16 * 0.4 * step
-print(max(2, min($MAX_EPOCHS, int((left - test) / epoch) // 2 * 2)))")
-log "rst_cnn_fb train step ${STEP}s at batch 128 -> $EPOCHS epochs"
-
-common=(--data rs-fashion --train-size "$TRAIN_SIZE" --epochs "$EPOCHS" --device "$DEVICE" "${extra[@]}")
-"$PY" train/run.py --model cnn "${common[@]}" --out "$WORK/cnn" >"$WORK/logs/cnn.log" 2>&1 &
-"$PY" train/run.py --model rst_cnn_fb "${common[@]}" --out "$WORK/rst_cnn_fb" \
-    >"$WORK/logs/rst_cnn_fb.log" 2>&1 &
-RST=$!
-while kill -0 "$RST" 2>/dev/null; do
-    sleep 15
+repro_flags=()
+[[ "$FLAGS" == *--bf16* ]] && repro_flags+=(--bf16)
+[[ "$FLAGS" == *method=* ]] && repro_flags+=(--method "$(sed -n "s/.*method='\([a-z]*\)'.*/\1/p" <<<"$FLAGS")")
+pids=()
+for name in rst_cnn_fb cnn; do
+    setsid "$PY" train/reproduce.py --data rs-fashion --budget "$REPRO_BUDGET" --models "$name" \
+        --train-sizes $REPRO_SIZES --augment no --trials 1 --device "$DEVICE" --data-root "$DATA_ROOT" \
+        "${repro_flags[@]}" --out "$WORK/reproduce" >"$WORK/logs/reproduce-$name.log" 2>&1 &
+    pids+=($!)
+    init=()
+    [[ -n "$INIT_DIR" ]] && init=(--init "$INIT_DIR/$name.pt")
+    # shellcheck disable=SC2086
+    setsid "$PY" train/run.py --model "$name" --data rs-fashion --train-size "$TRAIN_SIZE" \
+        --epochs "$FT_EPOCHS" --lr "$FT_LR" "${init[@]}" --train-resampling "${TRAIN_PIPES[@]}" \
+        --test-resampling pillow --device "$DEVICE" --data-root "$DATA_ROOT" --workers 4 \
+        "${extra[@]}" $FLAGS --out "$WORK/robust/$name" >"$WORK/logs/robust-$name.log" 2>&1 &
+    pids+=($!)
+done
+if [[ "$DEVICE" == cuda ]]; then
+    timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py >"$WORK/logs/test_cuda.log" 2>&1 &
+fi
+stopped=0
+while :; do
+    alive=0
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    (( alive )) || break
+    sleep 10
     collect
-    if (( SECONDS > DEADLINE + 30 )); then
-        log "past the deadline: stopping rst_cnn_fb (Ctrl-C saves last.pt)"
-        kill -INT "$RST"
+    if (( SECONDS > DEADLINE && ! stopped )); then
+        log "deadline: Ctrl-C to every run still going (each saves last.pt)"
+        for pid in "${pids[@]}"; do kill -INT -- "-$pid" 2>/dev/null; done
+        stopped=1
     fi
 done
-wait "$RST"
-log "rst_cnn_fb exit $?: $(grep -o '"test_acc": [0-9.]*' "$WORK/rst_cnn_fb/summary.json" 2>/dev/null)"
 wait
-log "cnn: $(grep -o '"test_acc": [0-9.]*' "$WORK/cnn/summary.json" 2>/dev/null)"
-log "$(tail -1 "$WORK/logs/test_cuda.log" 2>/dev/null) | $(tail -1 "$WORK/logs/ddp-nccl.log" 2>/dev/null)"
-collect
+for name in rst_cnn_fb cnn; do
+    log "robust $name: $(grep -o '"test[a-z_]*_acc": [0-9.]*' "$WORK/robust/$name/summary.json" 2>/dev/null | tr '\n' ' ')"
+    log "protocol $name: $(grep -h -o '"test_acc": [0-9.]*' "$WORK"/reproduce/rs-fashion/*/"$name"-*/summary.json 2>/dev/null)"
+done
+log "$(tail -1 "$WORK/logs/test_cuda.log" 2>/dev/null)"
 log "done"
 collect

@@ -65,3 +65,20 @@ def test_models_train_step_and_export_on_cuda(device, name):
         assert (model.export()(x) - logits).abs().max() < 1e-5 * scale
         turned = model(torch.rot90(x, 1, dims=(-2, -1)))
         assert (turned - logits).abs().max() < 1e-5 * scale
+
+
+def test_tuned_method_and_bf16_autocast_on_cuda(device):
+    """ConvMethod.TUNED times each layer's forms on CUDA and keeps the fastest: the same
+    function as the automatic choice; bfloat16 autocast (train/run.py --bf16) stays close."""
+    torch.manual_seed(0)
+    auto = rstmodel.create_model("rst_cnn_fb", channels=(4, 6, 8)).to(device).eval()
+    tuned = rstmodel.create_model("rst_cnn_fb", channels=(4, 6, 8), method="tuned")
+    tuned = tuned.to(device).eval()
+    tuned.load_state_dict(auto.state_dict())
+    x = torch.randn(8, 1, 56, 56, device=device)
+    with torch.no_grad():
+        ref = auto(x)
+        torch.testing.assert_close(tuned(x), ref, rtol=1e-4, atol=1e-4)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            half = auto(x).float()
+    assert ((half - ref).norm() / ref.norm()).item() < 0.05

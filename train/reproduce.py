@@ -184,11 +184,17 @@ def load_data(args: argparse.Namespace, budget: Budget, data_root: Path | None) 
 # ---------------------------------------------------------------- runs
 
 
-def plan(budget: Budget, models: list[str], augment: list[bool], trials: int) -> list[RunSpec]:
+def plan(
+    budget: Budget,
+    models: list[str],
+    augment: list[bool],
+    trials: int,
+    train_sizes: list[int] | None = None,
+) -> list[RunSpec]:
     return [
         RunSpec(m, n, a, t)
         for t in range(trials)
-        for n in budget.train_sizes
+        for n in train_sizes or budget.train_sizes
         for a in augment
         for m in models
     ]
@@ -211,6 +217,10 @@ def run_argv(spec: RunSpec, budget: Budget, opts: dict[str, Any]) -> list[str]:
         argv += ["--model-arg", f"channels={budget.widths[spec.model]!r}"]
     if budget.hidden is not None:
         argv += ["--model-arg", f"hidden={budget.hidden}"]
+    if opts.get("method") and spec.model != "cnn":
+        argv += ["--model-arg", f"method={opts['method']!r}"]
+    if opts.get("bf16"):
+        argv.append("--bf16")
     return argv
 
 
@@ -473,6 +483,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with and/or without RST augmentation",
     )
     parser.add_argument("--trials", type=int, default=None, help="trials (budget default)")
+    parser.add_argument(
+        "--train-sizes", nargs="+", type=int, default=None, help="N_tr values (budget default)"
+    )
+    parser.add_argument(
+        "--bf16", action="store_true", help="train in bfloat16 autocast (train/run.py --bf16)"
+    )
+    parser.add_argument(
+        "--method",
+        choices=("auto", "direct", "fft", "tuned"),
+        default=None,
+        help="the RST models' convolution method (default: the models' own, auto)",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at once")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per run")
     parser.add_argument("--device", default="auto")
@@ -488,6 +510,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.threads is None:
         args.threads = 1 if args.jobs > 1 else None
     args.augment = {"both": [False, True], "no": [False], "yes": [True]}[args.augment]
+    sizes = BUDGETS[args.budget].train_sizes
+    if args.train_sizes and not set(args.train_sizes) <= set(sizes):
+        parser.error(f"--train-sizes: the {args.budget} budget has N_tr {sizes}")
     return args
 
 
@@ -514,10 +539,12 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "data_root": args.data_root,
         "threads": args.threads,
+        "bf16": args.bf16,
+        "method": args.method,
     }
     (root / "protocol.md").write_text(protocol_text(args, budget), encoding="utf-8")
     (root / "budget.json").write_text(json.dumps(asdict(budget), default=str, indent=2), "utf-8")
-    specs = plan(budget, args.models, args.augment, args.trials)
+    specs = plan(budget, args.models, args.augment, args.trials, args.train_sizes)
     try:
         summaries = run_all(specs, budget, opts, args.jobs)
     except (run.SetupError, run.TrainingError) as err:

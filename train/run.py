@@ -75,12 +75,14 @@ from rstmodel.checkpoint import (
 )
 from rstmodel.data import (
     NUM_VAL,
+    RESAMPLINGS,
     ArrayDataset,
     RandomRST,
     RotatedScaledDataset,
     RSConfig,
     RSDataset,
     SourceNotFoundError,
+    VariantDataset,
     collate,
     load_rs,
     load_stl10,
@@ -130,9 +132,11 @@ RESULT_SETTINGS = (
     "limit_train",
     "limit_test",
     "bf16",
+    "train_resampling",
+    "init",
 )
 # what a checkpoint written before a setting existed stands for
-SETTING_DEFAULTS = {"bf16": False}
+SETTING_DEFAULTS = {"bf16": False, "train_resampling": ["bicubic"], "init": None}
 EXIT_ERROR, EXIT_SETUP = 1, 2
 EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
 
@@ -354,6 +358,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--augment", action="store_true", help='random RST augmentation (the paper\'s "+" data)'
     )
     parser.add_argument(
+        "--train-resampling",
+        nargs="+",
+        default=["bicubic"],
+        choices=list(RESAMPLINGS),
+        metavar="NAME",
+        help="RS data: render the training images with these pipelines and read each image "
+        "from one of them at random every epoch (rstmodel.data.RESAMPLINGS; default: the "
+        "paper's bicubic)",
+    )
+    parser.add_argument(
+        "--test-resampling",
+        nargs="*",
+        default=[],
+        choices=list(RESAMPLINGS),
+        metavar="NAME",
+        help="RS data: also test best.pt on the same test images rendered by these pipelines "
+        "(results test_<NAME>_acc), e.g. the held-out 'pillow'",
+    )
+    parser.add_argument(
+        "--init",
+        type=Path,
+        default=None,
+        help="start from this checkpoint's weights (same model and settings; fine-tuning)",
+    )
+    parser.add_argument(
         "--out", type=Path, default=None, help="run folder (default runs/<model>-<data>-...)"
     )
     parser.add_argument("--resume", action="store_true", help="continue from --out/last.pt")
@@ -425,6 +454,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "--augment (random RST) is for RS data; STL-10 always uses the paper's crop, "
                 "flip and Cutout"
             )
+        if args.train_resampling != ["bicubic"] or args.test_resampling:
+            parser.error("--train-resampling and --test-resampling are for RS data")
+    args.train_resampling = list(dict.fromkeys(args.train_resampling))
+    args.test_resampling = list(dict.fromkeys(args.test_resampling))
+    if args.init is not None:
+        if not args.init.is_file():
+            parser.error(f"--init {args.init}: no such checkpoint")
+        args.init = str(args.init)
     if args.out is None:
         size = "all" if args.train_size is None else args.train_size
         aug = "-aug" if args.augment else ""
@@ -491,16 +528,29 @@ def _limit(array: np.ndarray, limit: int | None) -> np.ndarray:
 
 
 def load_rs_data(args: argparse.Namespace) -> TrainData:
-    config = RSConfig(args.data, realisation=args.realization)
-    data = load_rs(config, data_root=args.data_root, progress=True)
+    """The realisation's splits; the training images of every --train-resampling pipeline
+    (the first sets the normalisation) and the test images of every --test-resampling one
+    (same poses, same indices)."""
+    data = load_rs(
+        RSConfig(args.data, realisation=args.realization), data_root=args.data_root, progress=True
+    )
     test_total = data.images.shape[0] - args.train_size - args.val_size
     num_test = None if args.limit_test is None else min(args.limit_test, max(test_total, 1))
-    try:
-        splits = data.split(args.train_size, num_val=args.val_size, num_test=num_test)
-    except ValueError as err:
-        raise SetupError(f"{err} (here: --train-size and --val-size)") from None
-    train_images = _limit(splits.train.images, args.limit_train)
+
+    def splits_of(resampling: str):
+        rendered = data
+        if resampling != "bicubic":
+            config = RSConfig(args.data, realisation=args.realization, resampling=resampling)
+            rendered = load_rs(config, data_root=args.data_root, progress=True)
+        try:
+            return rendered.split(args.train_size, num_val=args.val_size, num_test=num_test)
+        except ValueError as err:
+            raise SetupError(f"{err} (here: --train-size and --val-size)") from None
+
+    splits = splits_of("bicubic")
     train_labels = _limit(splits.train.labels, args.limit_train)
+    variants = [_limit(splits_of(r).train.images, args.limit_train) for r in args.train_resampling]
+    train_images = variants[0]
     mean, std = channel_stats(train_images)
     normalize = v2.Normalize(mean, std)
     train_transform = v2.Compose([RandomRST(), normalize]) if args.augment else normalize
@@ -512,15 +562,28 @@ def load_rs_data(args: argparse.Namespace) -> TrainData:
             normalize,
         )
     evals["test"] = ArrayDataset(splits.test.images, splits.test.labels, normalize)
+    for name in args.test_resampling:
+        evals[f"test_{name}"] = ArrayDataset(
+            splits_of(name).test.images, splits.test.labels, normalize
+        )
+    if len(variants) > 1:
+        train: Dataset = VariantDataset(variants, train_labels, train_transform)
+    else:
+        train = ArrayDataset(train_images, train_labels, train_transform)
+    resampled = (
+        ""
+        if args.train_resampling == ["bicubic"]
+        else (f", training images rendered by {' / '.join(args.train_resampling)}")
+    )
     return TrainData(
-        train=ArrayDataset(train_images, train_labels, train_transform),
+        train=train,
         evals=evals,
         class_names=CLASS_NAMES[args.data],
         in_channels=1,
         input_size=int(data.images.shape[-1]),
         mean=mean,
         std=std,
-        description=f"{args.data} realisation {args.realization} from {data.path}",
+        description=f"{args.data} realisation {args.realization} from {data.path}{resampled}",
     )
 
 
@@ -775,6 +838,8 @@ class Trial:
             self.model = create_model(args.model, **overrides).to(device)
         except (TypeError, ValueError) as err:
             raise SetupError(f"cannot build {args.model} with {overrides}: {err}") from None
+        if args.init is not None:
+            self.start_from(args.init)
         config = self.model.config
         wanted = (data.in_channels, len(data.class_names), data.input_size)
         got = tuple(getattr(config, k, None) for k in ("in_channels", "num_classes", "input_size"))
@@ -1092,6 +1157,26 @@ class Trial:
                 "  (best)" if self.best_epoch == epoch else "",
             )
 
+    def start_from(self, path: str) -> None:
+        """--init: this run's model takes the weights of the checkpoint ``path``, which must
+        hold the same model with the same configuration."""
+        try:
+            source, meta = load_checkpoint(path)
+        except (CheckpointError, FileNotFoundError) as err:
+            raise SetupError(f"--init: {err}") from None
+        mine = config_to_dict(self.model.config)
+        # the convolution method decides how the layers compute, not what
+        if meta.model_name != self.args.model or {**meta.config, "method": None} != {
+            **mine,
+            "method": None,
+        }:
+            raise SetupError(
+                f"--init {path} holds {meta.model_name} with {meta.config}; this run builds "
+                f"{self.args.model} with {mine}: pass the same --model and --model-arg"
+            )
+        self.model.load_state_dict(source.state_dict())
+        log.info("starting from the weights of %s", path)
+
     def finish(self, started: float) -> dict[str, Any]:
         """Evaluate best.pt on the test split(s) and write summary.json."""
         began = time.perf_counter()
@@ -1106,14 +1191,13 @@ class Trial:
                 self.best_epoch,
             )
         results: dict[str, Any] = {}
-        for name in ("test", "test_ood"):
-            if name in self.eval_loaders:
-                loss, acc = self.evaluate(best, name)
-                results |= {f"{name}_acc": acc, f"{name}_loss": loss}
-                results[f"{name}_size"] = len(self.data.evals[name])
-                log.info(
-                    "%s accuracy of best.pt (epoch %s): %.4f", name, meta.metrics.get("epoch"), acc
-                )
+        for name in [n for n in self.eval_loaders if n.startswith("test")]:
+            loss, acc = self.evaluate(best, name)
+            results |= {f"{name}_acc": acc, f"{name}_loss": loss}
+            results[f"{name}_size"] = len(self.data.evals[name])
+            log.info(
+                "%s accuracy of best.pt (epoch %s): %.4f", name, meta.metrics.get("epoch"), acc
+            )
         if self.procs.main and results:
             # the checkpoint carries its test accuracy too (shown by export metadata and the app)
             save_checkpoint(

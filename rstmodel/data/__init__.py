@@ -1,10 +1,13 @@
 """Data: offline sources, RS-MNIST / RS-Fashion, STL-10, RST and deformation transforms."""
 
 from .cache import default_cache_dir
-from .datasets import ArrayDataset, Batch, RotatedScaledDataset, collate
+from .datasets import ArrayDataset, Batch, RotatedScaledDataset, VariantDataset, collate
 from .rs import (
+    HELD_OUT_RESAMPLING,
     NUM_REALISATIONS,
     NUM_VAL,
+    RESAMPLINGS,
+    TRAIN_RESAMPLINGS,
     TRAIN_SIZES,
     RSConfig,
     RSData,
@@ -25,8 +28,11 @@ from .stl10 import (
 from .transforms import Cutout, RandomRST, deform, jacobian_sup_norm, rotate_scale, warp
 
 __all__ = [
+    "HELD_OUT_RESAMPLING",
     "NUM_REALISATIONS",
     "NUM_VAL",
+    "RESAMPLINGS",
+    "TRAIN_RESAMPLINGS",
     "TRAIN_SIZES",
     "ArrayDataset",
     "BaseDataset",
@@ -42,6 +48,7 @@ __all__ = [
     "SourceInfo",
     "SourceNotFoundError",
     "Split",
+    "VariantDataset",
     "collate",
     "default_cache_dir",
     "deform",

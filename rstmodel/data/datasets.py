@@ -12,7 +12,7 @@ from torchvision.transforms import InterpolationMode, v2
 
 from .transforms import GRID_SAMPLE_MODES, RandomRST, rotate_scale
 
-__all__ = ["ArrayDataset", "Batch", "RotatedScaledDataset", "collate"]
+__all__ = ["ArrayDataset", "Batch", "RotatedScaledDataset", "VariantDataset", "collate"]
 
 
 class Batch(tuple):
@@ -64,9 +64,13 @@ class ArrayDataset(Dataset):
     def __len__(self) -> int:
         return int(self.labels.shape[0])
 
+    def pixels(self, index: Tensor) -> Tensor:
+        """uint8 ``[B, C, H, W]`` of the images at ``index`` (int64 [B])."""
+        return self.images[index]
+
     def image(self, index: int) -> Tensor:
         """float32 [C, H, W] in [0, 1], before ``transform``."""
-        return self.images[index].to(torch.float32) / 255.0
+        return self.pixels(torch.tensor([index]))[0].to(torch.float32) / 255.0
 
     def __getitem__(self, index: int) -> tuple[Tensor, int]:
         image = self.image(index)
@@ -82,7 +86,7 @@ class ArrayDataset(Dataset):
         if reader is None:
             return [self[i] for i in indices]
         index = torch.as_tensor(indices, dtype=torch.long)
-        images = reader(self.images[index].to(torch.float32) / 255.0)
+        images = reader(self.pixels(index).to(torch.float32) / 255.0)
         return Batch((images, self.labels[index]))
 
 
@@ -106,6 +110,29 @@ def _batch_transform(transform: Callable[[Tensor], Tensor] | None):
 
         return composed
     return None
+
+
+class VariantDataset(ArrayDataset):
+    """Several renderings of the same images (``variants`` uint8, each ``[N, H, W]`` or
+    ``[N, C, H, W]``, one label each): every read takes one of them uniformly at random
+    (torch's generator, so each loader process draws its own), e.g. the same poses made by
+    different resampling pipelines. Batched reads as ``ArrayDataset``."""
+
+    def __init__(
+        self,
+        variants: list[np.ndarray],
+        labels: np.ndarray,
+        transform: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
+        if not variants or any(v.shape != variants[0].shape for v in variants):
+            shapes = [v.shape for v in variants]
+            raise ValueError(f"need one or more variants of one shape, got {shapes}")
+        super().__init__(variants[0], labels, transform)
+        self.variants = torch.stack([ArrayDataset(v, labels).images for v in variants])
+
+    def pixels(self, index: Tensor) -> Tensor:
+        pick = torch.randint(len(self.variants), index.shape)
+        return self.variants[pick, index]
 
 
 class RotatedScaledDataset(ArrayDataset):

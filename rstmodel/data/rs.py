@@ -17,6 +17,13 @@ Prepared realisations are cached (``rstmodel.data.cache``) under
 ``<cache>/<rs-mnist|rs-fashion>/seed<seed>/realisation<r>.npz`` with a JSON manifest; the
 cache is reused when its parameters and checksum verify and, if the source can be found, its
 source fingerprint matches; otherwise the realisation is prepared again.
+
+``RSConfig.resampling`` names the pipeline that renders the same angles and scales
+(``RESAMPLINGS``): ``bicubic`` is the paper's and the default; the others are independent ways
+an image of the same pose could have been made (another kernel, antialiased shrinking, uint8
+rounding between steps, Pillow's own geometry). A model that loses accuracy on them has learned
+the pipeline, not the objects. ``TRAIN_RESAMPLINGS`` are for augmentation; ``pillow`` is kept
+out of training and serves as the held-out test pipeline.
 """
 
 from __future__ import annotations
@@ -49,6 +56,9 @@ __all__ = [
     "TRAIN_SIZES",
     "draw_parameters",
     "rotate_scale_upsize",
+    "RESAMPLINGS",
+    "TRAIN_RESAMPLINGS",
+    "HELD_OUT_RESAMPLING",
     "build_rs",
     "split_indices",
     "load_rs",
@@ -80,9 +90,14 @@ class RSConfig:
     angle_range: tuple[float, float] = (0.0, 2 * math.pi)  # radians, [low, high)
     scale_range: tuple[float, float] = (0.3, 1.0)
     out_size: int = 56
+    resampling: str = "bicubic"  # a key of RESAMPLINGS
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dataset", RSDataset(self.dataset))
+        if self.resampling not in RESAMPLINGS:
+            raise ValueError(
+                f"unknown resampling {self.resampling!r}; choose one of {', '.join(RESAMPLINGS)}"
+            )
         object.__setattr__(self, "angle_range", tuple(float(v) for v in self.angle_range))
         object.__setattr__(self, "scale_range", tuple(float(v) for v in self.scale_range))
         integers = all(isinstance(v, int) for v in (self.seed, self.realisation))
@@ -109,15 +124,16 @@ class RSConfig:
         out["dataset"] = self.dataset.value
         out["angle_range"] = list(self.angle_range)
         out["scale_range"] = list(self.scale_range)
-        out["interpolation"] = "bicubic"
+        out["interpolation"] = out.pop("resampling")  # the key caches were written with
         return out
 
     def cache_path(self, cache_dir: str | Path) -> Path:
+        suffix = "" if self.resampling == "bicubic" else f"-{self.resampling}"
         return (
             Path(cache_dir)
             / self.dataset.value
             / f"seed{self.seed}"
-            / f"realisation{self.realisation}.npz"
+            / f"realisation{self.realisation}{suffix}.npz"
         )
 
 
@@ -174,26 +190,77 @@ def draw_parameters(num_images: int, config: RSConfig) -> tuple[np.ndarray, np.n
     return angles, scales, order
 
 
-def rotate_scale_upsize(
-    image: np.ndarray, angle: float, scale: float, out_size: int = 56
+def _affine_upsize(
+    image: np.ndarray,
+    angle: float,
+    scale: float,
+    out_size: int,
+    kernel: InterpolationMode,
+    rounded: bool,
 ) -> np.ndarray:
-    """One RS image: rotate by ``angle`` rad (counter-clockwise), scale by ``scale`` about
-    the centre (bicubic, zero fill, same size), upsize to ``out_size`` (bicubic), clamp and
-    round. uint8 [H, W] -> uint8 [out_size, out_size]."""
-    plane = Image.fromarray(
-        np.asarray(image, dtype=np.float32)
-    )  # mode "F": no rounding between steps
+    """torchvision's PIL affine about the centre (same size, zero fill), then an upsize, both
+    with ``kernel``; float32 throughout unless ``rounded`` (uint8 between the two steps)."""
+    plane = Image.fromarray(np.asarray(image, dtype=np.float32))  # mode "F": no rounding
     turned = TF.affine(
         plane,
         angle=-math.degrees(angle),  # torchvision's affine turns clockwise
         translate=[0, 0],
         scale=float(scale),
         shear=[0.0, 0.0],
-        interpolation=InterpolationMode.BICUBIC,
+        interpolation=kernel,
         fill=0,
     )
-    big = TF.resize(turned, [out_size, out_size], interpolation=InterpolationMode.BICUBIC)
-    return np.clip(np.rint(np.asarray(big, dtype=np.float32)), 0, 255).astype(np.uint8)
+    if rounded:
+        turned = Image.fromarray(_to_uint8(np.asarray(turned)))
+    big = TF.resize(turned, [out_size, out_size], interpolation=kernel)
+    return _to_uint8(np.asarray(big, dtype=np.float32))
+
+
+def _to_uint8(pixels: np.ndarray) -> np.ndarray:
+    return np.clip(np.rint(pixels.astype(np.float32)), 0, 255).astype(np.uint8)
+
+
+def _shrink_turn_upsize(
+    image: np.ndarray, angle: float, scale: float, out_size: int, mode: str, kernel: int
+) -> np.ndarray:
+    """Pillow's own geometry: an antialiased resize to round(scale * side) pixels, pasted at
+    the centre of a black canvas of the original size, ``Image.rotate`` about the centre,
+    then an upsize; mode ``"F"`` keeps float32 between steps, ``"L"`` rounds to uint8."""
+    side = image.shape[0]
+    small = max(1, round(side * float(scale)))
+    plane = Image.fromarray(np.asarray(image, dtype=np.float32 if mode == "F" else np.uint8))
+    canvas = Image.new(mode, (side, side), 0)
+    corner = (side - small) // 2
+    canvas.paste(plane.resize((small, small), kernel), (corner, corner))
+    turned = canvas.rotate(
+        math.degrees(angle), resample=kernel if kernel != Image.LANCZOS else Image.BICUBIC
+    )
+    return _to_uint8(np.asarray(turned.resize((out_size, out_size), kernel), dtype=np.float32))
+
+
+def rotate_scale_upsize(
+    image: np.ndarray, angle: float, scale: float, out_size: int = 56, resampling: str = "bicubic"
+) -> np.ndarray:
+    """One RS image: rotate by ``angle`` rad (counter-clockwise), scale by ``scale`` about
+    the centre (zero fill, same size), upsize to ``out_size``, clamp and round, with the
+    pipeline ``resampling`` (``RESAMPLINGS``; the paper's is bicubic in float32).
+    uint8 [H, W] -> uint8 [out_size, out_size]."""
+    return RESAMPLINGS[resampling](image, angle, scale, out_size)
+
+
+# name -> (image, angle, scale, out_size) -> uint8 image; each renders the same pose
+RESAMPLINGS = {
+    "bicubic": lambda im, a, s, n: _affine_upsize(im, a, s, n, InterpolationMode.BICUBIC, False),
+    "bilinear": lambda im, a, s, n: _affine_upsize(im, a, s, n, InterpolationMode.BILINEAR, False),
+    "bicubic-uint8": lambda im, a, s, n: _affine_upsize(
+        im, a, s, n, InterpolationMode.BICUBIC, True
+    ),
+    "antialiased": lambda im, a, s, n: _shrink_turn_upsize(im, a, s, n, "F", Image.BILINEAR),
+    "pillow": lambda im, a, s, n: _shrink_turn_upsize(im, a, s, n, "L", Image.LANCZOS),
+}
+# augmentation draws from these; "pillow" (Lanczos, uint8 between steps) stays held out
+TRAIN_RESAMPLINGS = ("bicubic", "bilinear", "bicubic-uint8", "antialiased")
+HELD_OUT_RESAMPLING = "pillow"
 
 
 def build_rs(
@@ -208,13 +275,14 @@ def build_rs(
     out = np.empty((images.shape[0], size, size), dtype=np.uint8)
     bar = tqdm(
         range(images.shape[0]),
-        desc=f"{config.dataset.value} r{config.realisation}",
+        desc=f"{config.dataset.value} r{config.realisation} {config.resampling}",
         unit="img",
         disable=not progress,
         mininterval=0.5,
     )
+    render = RESAMPLINGS[config.resampling]
     for i in bar:
-        out[i] = rotate_scale_upsize(images[i], angles[i], scales[i], size)
+        out[i] = render(images[i], angles[i], scales[i], size)
     return {"images": out, "angles": angles, "scales": scales, "order": order}
 
 

@@ -1,0 +1,240 @@
+"""Which way of running the RST model is fastest on this device? Measured, in one process.
+
+    python train/fastpath.py --device cuda --out results/bench/fastpath-h200
+    python train/fastpath.py --device cpu --model-arg "channels=(4,6,8)" --steps 2   # a dry run
+
+For ``--model`` (default rst_cnn_fb) and the plain ``cnn`` baseline: the training step
+(forward, backward, Adam) at the training batch and evaluation at that batch and at batch 1,
+for each setting in ``TRAIN_SETTINGS`` / ``EVAL_SETTINGS``: float32, TF32 matrix products,
+bfloat16 autocast, and the convolution method (the automatic choice by multiply-adds, the
+per-scale direct form on cuDNN / oneDNN, TUNED: each layer times its forms on the first
+call). ``--compile`` also times ``torch.compile`` of the fastest eval setting. Prints a
+markdown table with the ratio of each figure to the CNN in the same setting, writes it and a
+JSON copy to ``--out``, and prints the fastest training setting as train/run.py flags on its
+last line (``FLAGS: ...``), which scripts/gpu_session.sh passes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rstmodel import create_model
+from rstmodel.layers import ConvMethod
+from train.run import use_tf32
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    precision: str  # fp32, tf32 (TF32 tensor cores for float32 products), bf16 (autocast)
+    method: ConvMethod = ConvMethod.AUTO
+
+    @property
+    def flags(self) -> list[str]:
+        """train/run.py's flags for this setting."""
+        out = {"fp32": ["--no-tf32"], "tf32": [], "bf16": ["--bf16"]}[self.precision]
+        if self.method is not ConvMethod.AUTO:
+            out += ["--model-arg", f"method={self.method.value!r}"]
+        return out
+
+
+TRAIN_SETTINGS = (
+    Setting("fp32", "fp32"),
+    Setting("tf32", "tf32"),
+    Setting("bf16", "bf16"),
+    Setting("tf32 direct", "tf32", ConvMethod.DIRECT),
+    Setting("bf16 direct", "bf16", ConvMethod.DIRECT),
+)
+EVAL_SETTINGS = TRAIN_SETTINGS + (
+    Setting("tf32 tuned", "tf32", ConvMethod.TUNED),
+    Setting("bf16 tuned", "bf16", ConvMethod.TUNED),
+)
+
+
+def _timed(fn, device: torch.device, warmup: int, steps: int) -> float:
+    """Median seconds of ``fn`` over ``steps`` calls after ``warmup`` untimed ones."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def build(name: str, setting: Setting, overrides: dict, device: torch.device):
+    torch.manual_seed(0)
+    kwargs = dict(overrides)
+    if name != "cnn":
+        kwargs["method"] = setting.method
+    return create_model(name, **kwargs).to(device)
+
+
+def measure_train(name, setting, overrides, device, batch, warmup, steps) -> dict:
+    model = build(name, setting, overrides, device).train()
+    cfg = model.config
+    x = torch.randn(batch, cfg.in_channels, cfg.input_size, cfg.input_size, device=device)
+    y = torch.randint(0, cfg.num_classes, (batch,), device=device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    autocast = torch.autocast(
+        device.type, dtype=torch.bfloat16, enabled=setting.precision == "bf16"
+    )
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        with autocast:
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds = _timed(step, device, warmup, steps)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return {"train_s": seconds, "train_img_s": batch / seconds, "train_peak_gib": peak}
+
+
+def measure_eval(name, setting, overrides, device, batch, warmup, steps, compiled=False) -> dict:
+    model = build(name, setting, overrides, device).eval()
+    if compiled:
+        model = torch.compile(model)
+    cfg = model.config if not compiled else model._orig_mod.config
+    x = torch.randn(batch, cfg.in_channels, cfg.input_size, cfg.input_size, device=device)
+    x1 = x[:1].clone()
+    autocast = torch.autocast(
+        device.type, dtype=torch.bfloat16, enabled=setting.precision == "bf16"
+    )
+    with torch.inference_mode(), autocast:
+        many = _timed(lambda: model(x), device, warmup, steps)
+        one = _timed(lambda: model(x1), device, warmup, max(steps, 10))
+    return {"eval_s": many, "eval_img_s": batch / many, "eval1_ms": one * 1e3}
+
+
+def run_grid(args: argparse.Namespace) -> list[dict]:
+    device = torch.device(args.device)
+    rows = []
+    for setting in EVAL_SETTINGS:
+        use_tf32(device, setting.precision != "fp32")
+        for name in dict.fromkeys(["cnn", args.model]):
+            if name == "cnn" and setting.method is not ConvMethod.AUTO:
+                continue  # the CNN has no method to choose
+            over = args.model_args if name == args.model else {}
+            row = {"model": name, "setting": setting.name, "flags": setting.flags}
+            if setting in TRAIN_SETTINGS:
+                row |= measure_train(name, setting, over, device, args.batch, 2, args.steps)
+            row |= measure_eval(name, setting, over, device, args.batch, 2, args.steps)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if args.compile:
+        evals = [r for r in rows if r["model"] == args.model]
+        best = min(evals, key=lambda r: r["eval1_ms"])
+        setting = next(s for s in EVAL_SETTINGS if s.name == best["setting"])
+        use_tf32(device, setting.precision != "fp32")
+        started = time.perf_counter()
+        try:
+            row = {"model": args.model, "setting": f"{setting.name} compiled", "flags": []}
+            row |= measure_eval(
+                args.model, setting, args.model_args, device, args.batch, 2, args.steps, True
+            )
+            row["compile_s"] = time.perf_counter() - started
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        except Exception as err:  # a compiler failure is a finding, not a crash
+            print(f"torch.compile failed after {time.perf_counter() - started:.0f} s: {err!r}")
+    return rows
+
+
+def table(rows: list[dict], model: str) -> str:
+    cnn = {r["setting"]: r for r in rows if r["model"] == "cnn"}
+    head = "| model | setting | train step (s) | train img/s | peak GiB | eval b (s) | eval b1 (ms) | train / cnn | eval / cnn | eval b1 / cnn |"
+    lines = [head, "|" + "---|" * 10]
+
+    def fmt(v, spec):
+        return "" if v is None else format(v, spec)
+
+    def ratio(r, key):
+        base = cnn.get(r["setting"].split()[0])
+        if r["model"] == "cnn" or base is None or r.get(key) is None or base.get(key) is None:
+            return ""
+        return f"{r[key] / base[key]:.1f}x"
+
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['setting']} | {fmt(r.get('train_s'), '.4f')} | "
+            f"{fmt(r.get('train_img_s'), ',.0f')} | {fmt(r.get('train_peak_gib'), '.2f')} | "
+            f"{fmt(r.get('eval_s'), '.4f')} | {fmt(r.get('eval1_ms'), '.2f')} | "
+            f"{ratio(r, 'train_s')} | {ratio(r, 'eval_s')} | {ratio(r, 'eval1_ms')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def fastest_training(rows: list[dict], model: str) -> dict:
+    trained = [r for r in rows if r["model"] == model and r.get("train_s") is not None]
+    return min(trained, key=lambda r: r["train_s"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="rst_cnn_fb")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=5, help="timed calls per figure")
+    parser.add_argument(
+        "--model-arg",
+        dest="model_args",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override of --model, a Python literal",
+    )
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    pairs = [item.split("=", 1) for item in args.model_args]
+    if any(len(p) != 2 for p in pairs):
+        parser.error("--model-arg takes KEY=VALUE")
+    args.model_args = {k: ast.literal_eval(v) for k, v in pairs}
+    if args.steps < 1 or args.batch < 1:
+        parser.error("--steps and --batch must be positive")
+    rows = run_grid(args)
+    text = table(rows, args.model)
+    best = fastest_training(rows, args.model)
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    text = f"{device}, torch {torch.__version__}, batch {args.batch}\n\n{text}"
+    text += f"\nfastest training setting: {best['setting']} ({best['train_s']:.4f} s per step)\n"
+    print(text, end="")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "fastpath.md").write_text(text, encoding="utf-8")
+        (args.out / "fastpath.json").write_text(json.dumps(rows, indent=2) + "\n", "utf-8")
+    print("FLAGS: " + " ".join(best["flags"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
