@@ -101,6 +101,12 @@ def _reduced(summary: dict[str, Any]) -> bool:
     return limited or summary.get("epochs") != PAPER_EPOCHS.get(summary["data"])
 
 
+def mean_std(values: list[float]) -> str:
+    """``mean ± std`` over trials; the mean alone for one trial (it has no spread to show)."""
+    mean = float(np.mean(values))
+    return f"{mean:.2f}" if len(values) < 2 else f"{mean:.2f} ± {float(np.std(values)):.2f}"
+
+
 def report(summaries: list[dict[str, Any]]) -> str:
     """A markdown table: one row per (model, data, N_tr, augmentation, test split)."""
     groups: dict[tuple[str, str, Any, bool], list[dict[str, Any]]] = defaultdict(list)
@@ -115,7 +121,7 @@ def report(summaries: list[dict[str, Any]]) -> str:
             accs = [100 * t[f"{split}_acc"] for t in trials if t.get(f"{split}_acc") is not None]
             if not accs:
                 continue
-            mean, std = float(np.mean(accs)), float(np.std(accs))
+            mean = float(np.mean(accs))
             paper = paper_accuracy(model, data, size, augment, split)
             paper_text = "-" if paper is None else f"{paper[0]:.2f} ± {paper[1]:.2f}"
             diff = "-" if paper is None else f"{mean - paper[0]:+.2f}"
@@ -123,7 +129,7 @@ def report(summaries: list[dict[str, Any]]) -> str:
             lines.append(
                 f"| {model} | {data} | {'all' if size is None else size} | "
                 f"{'yes' if augment else 'no'} | {SPLIT_NAMES[split]} | {len(accs)} | "
-                f"{mean:.2f} ± {std:.2f} | {paper_text} | {diff} | {note} |"
+                f"{mean_std(accs)} | {paper_text} | {diff} | {note} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -35,6 +35,10 @@ import contextlib
 import json
 import logging
 import multiprocessing
+import os
+import shlex
+import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -57,12 +61,13 @@ from train.experiments import plt, write_csv
 
 log = logging.getLogger("reproduce")
 
+# in the order the runs are made (the paper's central comparison first)
 MODELS = (
     "cnn",
-    "rot_cnn",
-    "scale_cnn",
     "rst_cnn_fb",
     "rst_cnn_sl",
+    "rot_cnn",
+    "scale_cnn",
     "rst_cnn_plus_fb",
     "rst_cnn_plus_sl",
 )
@@ -191,12 +196,17 @@ def plan(
     trials: int,
     train_sizes: list[int] | None = None,
 ) -> list[RunSpec]:
+    """Every run, in the order they are made: without augmentation first, the larger N_tr
+    first, then trial by trial, the models in ``MODELS`` order; so a call cut off by its
+    deadline has filled the most-wanted cells, and the next call goes on from there."""
+    sizes = sorted(train_sizes or budget.train_sizes, reverse=True)
+    ranked = sorted(models, key=lambda m: MODELS.index(m) if m in MODELS else len(MODELS))
     return [
         RunSpec(m, n, a, t)
+        for a in sorted(augment)
+        for n in sizes
         for t in range(trials)
-        for n in train_sizes or budget.train_sizes
-        for a in augment
-        for m in models
+        for m in ranked
     ]
 
 
@@ -265,17 +275,35 @@ def run_cost(spec: RunSpec, budget: Budget) -> float:
     return images * RELATIVE_COST.get(spec.model, 1.0)
 
 
-def finished(root: Path, spec: RunSpec) -> dict[str, Any] | None:
-    path = root / spec.name / "summary.json"
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text(encoding="utf-8"))
+def finished(root: Path, spec: RunSpec, results: Path | None = None) -> dict[str, Any] | None:
+    """The run's summary, from its folder or from the committed results (``keep``)."""
+    for path in (
+        root / spec.name / "summary.json",
+        results and results / "runs" / spec.name / "summary.json",
+    ):
+        if path and path.is_file():
+            return json.loads(path.read_text(encoding="utf-8"))
+    return None
+
+
+def keep(root: Path, results: Path, summaries: list[dict[str, Any]]) -> None:
+    """Copy each finished run's summary and per-epoch metrics to ``results/runs/<run>/``, the
+    committed record that later calls (and other machines) count as done."""
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        if (folder / "summary.json").is_file():
+            dest = results / "runs" / folder.name
+            dest.mkdir(parents=True, exist_ok=True)
+            for name in ("summary.json", "metrics.jsonl"):
+                if (folder / name).is_file():
+                    shutil.copyfile(folder / name, dest / name)
 
 
 def run_all(specs: list[RunSpec], budget: Budget, opts: dict[str, Any], jobs: int) -> list[dict]:
-    """Every run not finished yet, ``jobs`` at a time, the costliest first; an ETA bar."""
-    done = {s: finished(opts["root"], s) for s in specs}
-    todo = sorted((s for s in specs if done[s] is None), key=lambda s: -run_cost(s, budget))
+    """Every run not finished yet, ``jobs`` at a time in plan order; an ETA bar. Ctrl-C (or
+    ``--deadline``) stops the run in progress at a batch boundary (its last.pt holds the last
+    completed epoch) and starts no other."""
+    done = {s: finished(opts["root"], s, opts.get("results")) for s in specs}
+    todo = [s for s in specs if done[s] is None]
     log.info("%d runs: %d finished, %d to go", len(specs), len(specs) - len(todo), len(todo))
     total = sum(run_cost(s, budget) for s in todo)
     bar = tqdm(total=round(total), desc="runs (cost-weighted ETA)", unit="u", dynamic_ncols=True)
@@ -305,6 +333,11 @@ def run_all(specs: list[RunSpec], budget: Budget, opts: dict[str, Any], jobs: in
                     record(spec, run_one(spec, budget, opts))
                 except (run.SetupError, run.TrainingError) as err:
                     failed(spec, err)
+                except (run.Interrupted, KeyboardInterrupt) as stop:
+                    log.warning(
+                        "%s stopped by %s; rerun the same command to resume", spec.name, stop
+                    )
+                    break
         else:
             context = multiprocessing.get_context("spawn")
             with futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
@@ -402,7 +435,7 @@ def wide_table(rows: list[dict[str, Any]], data: str) -> str:
         cells = [model, f"{mine[0]['params']:,}"]
         for size, aug in settings:
             accs = [r["test_acc"] for r in mine if (r["train_size"], r["augment"]) == (size, aug)]
-            cells.append(f"{np.mean(accs):.2f} ± {np.std(accs):.2f}" if accs else "-")
+            cells.append(f"{report.mean_std(accs)} (n={len(accs)})" if accs else "-")
             paper = report.paper_accuracy(model, data, size, aug, "test")
             cells.append("-" if paper is None else f"{paper[0]:.2f} ± {paper[1]:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
@@ -442,7 +475,7 @@ def plot(rows: list[dict[str, Any]], data: str, budget_name: str, path: Path) ->
     pyplot.close(fig)
 
 
-def protocol_text(args: argparse.Namespace, budget: Budget) -> str:
+def protocol_text(args: argparse.Namespace, budget: Budget, argv: list[str] | None = None) -> str:
     params = {}
     for m in args.models:
         overrides = {"input_size": budget.image_size}
@@ -454,8 +487,10 @@ def protocol_text(args: argparse.Namespace, budget: Budget) -> str:
     lines = [
         f"# {args.data}, budget `{args.budget}`",
         "",
-        f"Command: `python train/reproduce.py --data {args.data} --budget {args.budget}"
-        f" --jobs {args.jobs}`",
+        f"Command: `{shlex.join(['python', 'train/reproduce.py', *(argv or sys.argv[1:])])}`",
+        "",
+        "Each run's own command, device, precision and times are in its summary.json"
+        + (" (`runs/`)." if args.results else "."),
         "",
         f"- images {budget.image_size}x{budget.image_size}"
         + (" (2x reduced to 28x28, zero-padded)" if budget.image_size != 56 else ""),
@@ -501,6 +536,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data-root", type=Path, default=None, help="RS source files")
     parser.add_argument("--out", type=Path, default=Path("outputs/reproduce"))
     parser.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="committed record: tables and each finished run's summary and metrics "
+        "(default results/reproduce/<data>-<budget> for the full budget); runs found there "
+        "count as done",
+    )
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop after this long as Ctrl-C does (the run in progress keeps its last "
+        "completed epoch; the same command resumes); with --jobs 1",
+    )
+    parser.add_argument(
         "--measure", action="store_true", help="only measure each model's throughput"
     )
     args = parser.parse_args(argv)
@@ -510,6 +561,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.threads is None:
         args.threads = 1 if args.jobs > 1 else None
     args.augment = {"both": [False, True], "no": [False], "yes": [True]}[args.augment]
+    if args.results is None and args.budget == "full":
+        args.results = Path("results") / "reproduce" / f"{args.data}-{args.budget}"
+    if args.deadline is not None and (args.deadline <= 0 or args.jobs != 1):
+        parser.error("--deadline takes a positive number of seconds and --jobs 1")
     sizes = BUDGETS[args.budget].train_sizes
     if args.train_sizes and not set(args.train_sizes) <= set(sizes):
         parser.error(f"--train-sizes: the {args.budget} budget has N_tr {sizes}")
@@ -541,8 +596,12 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads,
         "bf16": args.bf16,
         "method": args.method,
+        "results": args.results,
     }
-    (root / "protocol.md").write_text(protocol_text(args, budget), encoding="utf-8")
+    if args.deadline is not None:  # as Ctrl-C: each trial stops at its next batch boundary
+        signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+        signal.setitimer(signal.ITIMER_REAL, args.deadline)
+    (root / "protocol.md").write_text(protocol_text(args, budget, argv), encoding="utf-8")
     (root / "budget.json").write_text(json.dumps(asdict(budget), default=str, indent=2), "utf-8")
     specs = plan(budget, args.models, args.augment, args.trials, args.train_sizes)
     try:
@@ -554,13 +613,20 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no run finished", file=sys.stderr)
         return 1
     table = report.report(summaries)
-    (root / "table.md").write_text(table, encoding="utf-8")
     rows = results_rows(summaries)
-    write_csv(root / "results.csv", rows)
-    (root / "table_wide.md").write_text(wide_table(rows, args.data), encoding="utf-8")
-    plot(rows, args.data, args.budget, root / "accuracy.png")
+    for folder in [root] + ([args.results] if args.results else []):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "table.md").write_text(table, encoding="utf-8")
+        write_csv(folder / "results.csv", rows)
+        (folder / "table_wide.md").write_text(wide_table(rows, args.data), encoding="utf-8")
+        plot(rows, args.data, args.budget, folder / "accuracy.png")
+        log.info("wrote %s", folder)
+    if args.results:
+        keep(root, args.results, summaries)
+        (args.results / "protocol.md").write_text(
+            protocol_text(args, budget, argv), encoding="utf-8"
+        )
     print(table, end="")
-    log.info("wrote %s", root)
     return 0 if len(summaries) == len(specs) else 1
 
 
