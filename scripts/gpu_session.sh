@@ -106,11 +106,13 @@ for name in rst_cnn_fb cnn; do
     pids+=($!)
     init=()
     [[ -n "$INIT_DIR" ]] && init=(--init "$INIT_DIR/$name.pt")
+    run_flags="$FLAGS"  # the CNN has no conv method to choose (as reproduce.py)
+    [[ "$name" == cnn ]] && run_flags=$(sed "s/--model-arg method='[a-z]*'//" <<<"$FLAGS")
     # shellcheck disable=SC2086
     setsid "$PY" train/run.py --model "$name" --data rs-fashion --train-size "$TRAIN_SIZE" \
         --epochs "$FT_EPOCHS" --lr "$FT_LR" "${init[@]}" --train-resampling "${TRAIN_PIPES[@]}" \
         --test-resampling pillow --device "$DEVICE" --data-root "$DATA_ROOT" --workers 4 \
-        "${extra[@]}" $FLAGS --out "$WORK/robust/$name" >"$WORK/logs/robust-$name.log" 2>&1 &
+        "${extra[@]}" $run_flags --out "$WORK/robust/$name" >"$WORK/logs/robust-$name.log" 2>&1 &
     pids+=($!)
 done
 if [[ "$DEVICE" == cuda ]]; then

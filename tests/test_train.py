@@ -18,13 +18,15 @@ import numpy as np
 import pytest
 import torch
 
-from rstmodel import load_checkpoint
-from rstmodel.data import RSConfig, load_rs
-from train import report, run
+from rstmodel import create_model, load_checkpoint
+from rstmodel.data import ArrayDataset, RSConfig, VariantDataset, collate, load_rs
+from rstmodel.layers import ConvMethod
+from train import fastpath, report, resampling, run
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "train" / "run.py"
 THREADS = os.environ.get("RST_TEST_THREADS", "1")
+TINY_CNN = ("--model-arg", "channels=(4,6,8)", "--model-arg", "hidden=16")
 
 
 def write_idx(path: Path, array: np.ndarray) -> None:
@@ -202,18 +204,24 @@ def test_killed_and_interrupted_runs_resume_exactly(tmp_path, source, env):
 
 def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
     """scripts/gpu_session.sh, what a lent GPU machine runs, on the CPU with a tiny budget:
-    it times steps, trains both models, and leaves exactly the files that come back."""
-    out = tmp_path / "out"
+    it renders the source by every pipeline, times the fast path, runs the protocol and the
+    resampling fine-tunes side by side with its flags, and leaves exactly the files that
+    come back."""
+    out, work = tmp_path / "out", tmp_path / "work"
     settings = {
         "DEVICE": "cpu",
-        "DEADLINE": "60",
-        "TRAIN_SIZE": "128",
+        "DEADLINE": "150",
+        "TRAIN_SIZE": "256",
         "VAL_SIZE": "64",
         "LIMIT_TEST": "64",
-        "MAX_EPOCHS": "2",
+        "FT_EPOCHS": "1",
+        "INIT_DIR": "",  # the fine-tunes start from scratch
+        "REPRO_BUDGET": "smoke",
+        "REPRO_SIZES": "64",
         "MODEL_ARGS": "channels=(4,6,8)",
+        "FASTPATH_ARGS": "--steps 1 --batch 8",
         "DATA_ROOT": str(source["root"]),
-        "WORK": str(tmp_path / "work"),
+        "WORK": str(work),
         "OUT": str(out),
         "PY": sys.executable,
         "RSTCNN_ALLOCATOR": "system",
@@ -227,16 +235,44 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "rst_cnn_fb train step" in proc.stdout and "-> 2 epochs" in proc.stdout
+    assert "data ready: 5 renderings" in proc.stdout, proc.stdout
+    assert "fastest training setting: flags" in proc.stdout, proc.stdout
+    assert "deadline: Ctrl-C" not in proc.stdout  # every run finished in time
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["cnn.pt", "results.tgz", "rst_cnn_fb.last.pt", "rst_cnn_fb.pt"]
-    model, meta = load_checkpoint(out / "rst_cnn_fb.pt")
-    assert meta.model_name == "rst_cnn_fb" and meta.config["channels"] == (4, 6, 8)
+    assert files == [
+        "cnn.pt",
+        "fastpath.json",
+        "fastpath.md",
+        "reproduce.tgz",
+        "results.tgz",
+        "rst_cnn_fb.pt",
+    ]
+    assert {row["model"] for row in json.loads((out / "fastpath.json").read_text())} == {
+        "cnn",
+        "rst_cnn_fb",
+    }
+    for name in ("rst_cnn_fb", "cnn"):
+        model, meta = load_checkpoint(out / f"{name}.pt")
+        assert meta.model_name == name and meta.config["channels"] == (4, 6, 8)
+        assert 0 <= meta.metrics["test_acc"] <= 1 and 0 <= meta.metrics["test_pillow_acc"] <= 1
+        assert meta.extra["run"]["train_resampling"] == [
+            "bicubic",
+            "bilinear",
+            "bicubic-uint8",
+            "antialiased",
+        ]
+    with tarfile.open(out / "reproduce.tgz") as tar:
+        summaries = [n for n in tar.getnames() if n.endswith("/summary.json")]
+        models = sorted(json.load(tar.extractfile(n))["model"] for n in summaries)
+    assert models == ["cnn", "rst_cnn_fb"], summaries
     with tarfile.open(out / "results.tgz") as tar:
         names = set(tar.getnames())
-        summary = json.load(tar.extractfile("rst_cnn_fb/summary.json"))
-    assert {"logs/session.log", "logs/cnn.log", "cnn/summary.json"} <= names
-    assert summary["epochs"] == 2 and 0 <= summary["test_acc"] <= 1
+        log = tar.extractfile("logs/session.log").read().decode()
+        summary = json.load(tar.extractfile("robust/rst_cnn_fb/summary.json"))
+    assert {"logs/fastpath.log", "robust/cnn/summary.json", "robust/cnn/train.log"} <= names
+    assert "fastest training setting" in log and "robust rst_cnn_fb: " in log
+    assert summary["epochs"] == 1 and summary["train_images"] == 256
+    assert summary["test_size"] == summary["test_pillow_size"] == 64
 
 
 def test_tf32_flag():
@@ -391,3 +427,225 @@ def test_report_groups_trials_beside_the_paper(tmp_path, capsys):
         "| resnet16 | stl10 | all | no | OOD | 1 | 25.00 ± 0.00 | 37.63 ± 1.95 | -12.63 | reduced budget |"
         in table
     )
+
+
+# ---------------------------------------------------------------- resampling pipelines, --init
+
+
+@pytest.fixture(scope="module")
+def pipelines_run(source, tmp_path_factory) -> Path:
+    """A tiny CNN trained one epoch on the bicubic and antialiased renderings and tested
+    on Pillow's too (run.main in this process)."""
+    out = tmp_path_factory.mktemp("pipelines") / "run"
+    args = cli(source, out, "--epochs", "1", "--limit-train", "32", *TINY_CNN)
+    args += ["--train-resampling", "bicubic", "antialiased", "--test-resampling", "pillow"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RSTCNN_DATA", str(source["cache"]))
+        assert run.main(args) == 0
+    return out
+
+
+def test_runs_train_and_test_on_resampling_pipelines(pipelines_run):
+    summary = json.loads((pipelines_run / "summary.json").read_text())
+    assert summary["train_resampling"] == ["bicubic", "antialiased"]
+    assert "training images rendered by bicubic / antialiased" in summary["data_description"]
+    assert summary["train_images"] == 32
+    assert summary["test_size"] == summary["test_pillow_size"] == 64
+    assert 0 <= summary["test_acc"] <= 1 and 0 <= summary["test_pillow_acc"] <= 1
+    assert np.isfinite(summary["test_pillow_loss"])
+    _, meta = load_checkpoint(pipelines_run / "best.pt")
+    assert meta.metrics["test_pillow_acc"] == summary["test_pillow_acc"]
+    assert meta.extra["run"]["train_resampling"] == ["bicubic", "antialiased"]
+
+
+def test_train_resampling_reads_every_pipeline(tmp_path, source, env):
+    """--train-resampling: a VariantDataset over each pipeline's rendering of the same
+    training images; --test-resampling: the same test images by another pipeline."""
+    argv = cli(source, tmp_path / "run", "--limit-train", "32", "--test-resampling", "pillow")
+    args = run.parse_args([*argv, "--train-resampling", "bicubic", "antialiased", "bicubic"])
+    assert args.train_resampling == ["bicubic", "antialiased"]  # repeats dropped
+    data = run.load_rs_data(args)
+    assert type(data.train) is VariantDataset and data.train.batched
+    assert "rendered by bicubic / antialiased" in data.description
+    rendered = {}
+    for i, name in enumerate(("bicubic", "antialiased")):
+        config = RSConfig("rs-fashion", resampling=name)
+        rendered[name] = load_rs(config, data_root=source["root"]).split(128, num_val=64)
+        expected = rendered[name].train.images[:32]
+        np.testing.assert_array_equal(data.train.variants[i][:, 0].numpy(), expected)
+    assert not np.array_equal(data.train.variants[0], data.train.variants[1])
+    np.testing.assert_array_equal(data.train.labels.numpy(), rendered["bicubic"].train.labels[:32])
+
+    # one image read 64 times in a batch: every read is one pipeline's rendering, both occur
+    x, y = collate(data.train.__getitems__([5] * 64))
+    normalize = data.train.transform
+    options = torch.stack([normalize(v[5].float() / 255) for v in data.train.variants])
+    picks = [int((options - image).flatten(1).abs().amax(1).argmin()) for image in x]
+    for image, pick in zip(x, picks, strict=True):
+        torch.testing.assert_close(image, options[pick])
+    assert set(picks) == {0, 1} and set(y.tolist()) == {int(data.train.labels[5])}
+
+    test, pillow = data.evals["test"], data.evals["test_pillow"]
+    assert len(test) == len(pillow) == 64 and torch.equal(test.labels, pillow.labels)
+    np.testing.assert_array_equal(
+        pillow.images[:, 0].numpy(),
+        load_rs(RSConfig("rs-fashion", resampling="pillow"), data_root=source["root"])
+        .split(128, num_val=64)
+        .test.images[:64],
+    )
+    assert not torch.equal(test.images, pillow.images)
+
+    plain = run.load_rs_data(run.parse_args(cli(source, tmp_path / "plain")))
+    assert type(plain.train) is ArrayDataset and "rendered by" not in plain.description
+    assert set(plain.evals) == {"val", "test"}
+
+
+def test_init_starts_from_the_checkpoint_weights(tmp_path, source, env, pipelines_run, capsys):
+    best = pipelines_run / "best.pt"
+    saved = torch.load(best, weights_only=True)["state_dict"]
+
+    def trial(*extra: str) -> run.Trial:
+        out = tmp_path / "trial"
+        args = run.parse_args(cli(source, out, "--limit-train", "32", *TINY_CNN, *extra))
+        data = run.load_data(args)
+        cpu, stop = torch.device("cpu"), run.StopRequest()
+        return run.Trial(args, data, seed=0, out=out, device=cpu, stop=stop)
+
+    started = trial("--init", str(best)).model.state_dict()
+    assert started.keys() == saved.keys()
+    for key, value in saved.items():
+        assert torch.equal(started[key], value), key
+    fresh = trial().model.state_dict()
+    assert any(not torch.equal(fresh[k], saved[k]) for k in saved)  # the check can fail
+
+    out = tmp_path / "fine-tune"
+    argv = cli(source, out, "--epochs", "1", "--limit-train", "32", *TINY_CNN, "--init", str(best))
+    assert run.main([*argv, "--lr", "1e-6"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["init"] == str(best) and summary["train_resampling"] == ["bicubic"]
+    tuned = torch.load(out / "last.pt", weights_only=True)["state_dict"]
+    weights = [k for k, v in saved.items() if v.is_floating_point() and "running_" not in k]
+    drift = max((tuned[k] - saved[k]).abs().max().item() for k in weights)
+    assert 0 < drift < 1e-4  # trained on from the checkpoint, at a tiny learning rate
+
+    wider = ("--model-arg", "channels=(4,6,10)", "--model-arg", "hidden=16")
+    argv = cli(source, tmp_path / "wider", "--epochs", "1", "--limit-train", "32", *wider)
+    assert run.main([*argv, "--init", str(best)]) == run.EXIT_SETUP
+    err = capsys.readouterr().err
+    assert f"--init {best} holds cnn" in err and "--model-arg" in err
+    argv = cli(source, tmp_path / "rst", "--epochs", "1", *TINY_CNN, model="rst_cnn_fb")
+    assert run.main([*argv, "--init", str(best)]) == run.EXIT_SETUP
+    assert "this run builds rst_cnn_fb" in capsys.readouterr().err
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    argv = cli(source, tmp_path / "garbage", "--epochs", "1", *TINY_CNN, "--init", str(garbage))
+    assert run.main(argv) == run.EXIT_SETUP
+    assert "error: --init:" in capsys.readouterr().err
+
+
+def test_parser_rejects_missing_init_and_pipelines_off_rs_data(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run.parse_args(["--init", str(tmp_path / "missing.pt")])
+    assert exit_.value.code == 2
+    assert "missing.pt: no such checkpoint" in capsys.readouterr().err
+    stl10 = ["--data", "stl10", "--stl10-root", str(tmp_path)]
+    for flags in (["--train-resampling", "bicubic", "bilinear"], ["--test-resampling", "pillow"]):
+        with pytest.raises(SystemExit) as exit_:
+            run.parse_args([*stl10, *flags])
+        assert exit_.value.code == 2
+        assert "are for RS data" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run.parse_args(["--train-resampling", "lanczos"])
+    assert "invalid choice: 'lanczos'" in capsys.readouterr().err
+    assert run.parse_args(stl10).train_resampling == ["bicubic"]
+
+
+def test_resampling_report_per_pipeline(tmp_path, source, env, pipelines_run, capsys):
+    """train/resampling.py measures a checkpoint on its own test split as each pipeline
+    renders it: the same numbers train/run.py reported for the same images."""
+    best = pipelines_run / "best.pt"
+    summary = json.loads((pipelines_run / "summary.json").read_text())
+    pipelines = ["bicubic", "pillow", "bilinear"]
+    rows = resampling.measure([best], pipelines, 64, data_root=source["root"])
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["checkpoint"] == str(best) and row["model"] == "cnn" and row["images"] == 64
+    assert all(0 <= row[p] <= 1 for p in pipelines)
+    assert row["bicubic"] == pytest.approx(summary["test_acc"])
+    assert row["pillow"] == pytest.approx(summary["test_pillow_acc"])
+    lines = resampling.table(rows, pipelines).splitlines()
+    assert len(lines) == 3
+    assert lines[0] == (
+        "| checkpoint | model | images | bicubic | pillow | bilinear "
+        "| pillow - bicubic | bilinear - bicubic |"
+    )
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells[:3] == [str(best), "cnn", "64"]
+    assert cells[3] == f"{100 * row['bicubic']:.2f} %"
+    assert cells[6] == f"{100 * (row['pillow'] - row['bicubic']):+.2f}"
+
+    out = tmp_path / "report"
+    argv = [str(best), "--limit", "16", "--data-root", str(source["root"]), "--out", str(out)]
+    assert resampling.main(argv) == 0
+    assert "| pillow - bicubic |" in capsys.readouterr().out
+    assert json.loads((out / "rows.json").read_text())[0]["images"] == 16
+    assert (out / "table.md").read_text().count("\n") == 3
+
+    missing = tmp_path / "missing.pt"
+    assert resampling.main([str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and str(missing) in err
+
+
+# ---------------------------------------------------------------- train/fastpath.py
+
+
+def test_fastpath_setting_flags_are_train_run_flags():
+    assert fastpath.Setting("a", "fp32").flags == ["--no-tf32"]
+    assert fastpath.Setting("b", "tf32").flags == []
+    assert fastpath.Setting("c", "bf16").flags == ["--bf16"]
+    direct = fastpath.Setting("d", "bf16", ConvMethod.DIRECT)
+    assert direct.flags == ["--bf16", "--model-arg", "method='direct'"]
+    assert set(fastpath.TRAIN_SETTINGS) < set(fastpath.EVAL_SETTINGS)
+    for setting in fastpath.EVAL_SETTINGS:
+        args = run.parse_args(["--model", "rst_cnn_fb", *setting.flags])
+        assert args.tf32 is (setting.precision != "fp32"), setting
+        assert args.bf16 is (setting.precision == "bf16"), setting
+        method = args.model_args.pop("method", "auto")
+        assert method == setting.method.value and not args.model_args, setting
+        model = create_model("rst_cnn_fb", channels=(4, 6, 8), method=method)
+        assert model.config.method == setting.method
+
+
+def test_fastpath_dry_run_on_cpu(tmp_path, capsys):
+    out = tmp_path / "fastpath"
+    argv = ["--device", "cpu", "--model-arg", "channels=(4,6,8)", "--steps", "1", "--batch", "4"]
+    assert fastpath.main([*argv, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[-1].startswith("FLAGS: ")
+    rows = json.loads((out / "fastpath.json").read_text())
+    expected = [
+        (setting.name, model)
+        for setting in fastpath.EVAL_SETTINGS
+        for model in ("cnn", "rst_cnn_fb")
+        if model == "rst_cnn_fb" or setting.method is ConvMethod.AUTO
+    ]
+    assert [(r["setting"], r["model"]) for r in rows] == expected
+    trained = {s.name for s in fastpath.TRAIN_SETTINGS}
+    for r in rows:
+        assert ("train_s" in r) == (r["setting"] in trained), r
+        assert r["eval_s"] > 0 and r["eval1_ms"] > 0 and r.get("train_s", 1) > 0
+        assert r["flags"] == next(s for s in fastpath.EVAL_SETTINGS if s.name == r["setting"]).flags
+    text = (out / "fastpath.md").read_text()
+    assert text.startswith("cpu, torch ") and "batch 4" in text
+    for r in rows:
+        assert f"| {r['model']} | {r['setting']} |" in text
+    best = min(
+        (r for r in rows if r["model"] == "rst_cnn_fb" and "train_s" in r),
+        key=lambda r: r["train_s"],
+    )
+    assert f"fastest training setting: {best['setting']} (" in text
+    flags = printed[-1].removeprefix("FLAGS: ").split()  # as the script's $FLAGS splits
+    assert flags == best["flags"]
+    args = run.parse_args(["--model", "rst_cnn_fb", *flags])
+    assert args.bf16 is ("--bf16" in flags) and args.tf32 is ("--no-tf32" not in flags)
