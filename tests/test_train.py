@@ -21,7 +21,8 @@ import torch
 from rstmodel import create_model, load_checkpoint
 from rstmodel.data import ArrayDataset, RSConfig, VariantDataset, collate, load_rs
 from rstmodel.layers import ConvMethod
-from train import fastpath, report, resampling, run
+from rstmodel.precision import bf16_supported, inference
+from train import fastpath, precision_check, report, resampling, run
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "train" / "run.py"
@@ -424,9 +425,9 @@ def test_report_groups_trials_beside_the_paper(tmp_path, capsys):
         in table
     )
     assert (
-        "| resnet16 | stl10 | all | no | OOD | 1 | 25.00 ± 0.00 | 37.63 ± 1.95 | -12.63 | reduced budget |"
+        "| resnet16 | stl10 | all | no | OOD | 1 | 25.00 | 37.63 ± 1.95 | -12.63 | reduced budget |"
         in table
-    )
+    )  # one trial has no spread to show
 
 
 # ---------------------------------------------------------------- resampling pipelines, --init
@@ -649,3 +650,47 @@ def test_fastpath_dry_run_on_cpu(tmp_path, capsys):
     assert flags == best["flags"]
     args = run.parse_args(["--model", "rst_cnn_fb", *flags])
     assert args.bf16 is ("--bf16" in flags) and args.tf32 is ("--no-tf32" not in flags)
+
+
+def test_precision_check_compares_bf16_with_float32(tmp_path, source, env, pipelines_run, capsys):
+    """train/precision_check.py: the float32 pass is the run's own test result; bfloat16
+    (where the CPU has it) agrees on the top class nearly everywhere; the verdict is the
+    exit status."""
+    best = pipelines_run / "best.pt"
+    summary = json.loads((pipelines_run / "summary.json").read_text())
+    if not bf16_supported("cpu"):
+        assert precision_check.main([str(best)]) == 2
+        assert "no native bfloat16" in capsys.readouterr().err
+        return
+    r = precision_check.check(best, 64, 32, "cpu", 0.5, source["root"])
+    assert r["images"] == 64 and r["model"] == "cnn"
+    assert r["fp32_acc"] == pytest.approx(summary["test_acc"])
+    assert 0 <= r["bf16_acc"] <= 1 and r["top1_agreement"] >= 0.9
+    assert 0 < r["max_logit_change"] < 0.1 and r["fp32_s"] > 0 and r["bf16_s"] > 0
+    assert r["passes"] == (100 * (r["fp32_acc"] - r["bf16_acc"]) <= 0.5)
+    out = tmp_path / "r.json"
+    argv = [str(best), "--limit", "64", "--batch", "32", "--data-root", str(source["root"])]
+    code = precision_check.main([*argv, "--json", str(out)])
+    assert code == (0 if r["passes"] else 1)
+    assert json.loads(out.read_text())["top1_agreement"] == r["top1_agreement"]
+    assert "top-1 agreement" in capsys.readouterr().out
+    assert precision_check.main([str(tmp_path / "missing.pt")]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+
+
+def test_inference_precision_context():
+    model = create_model("cnn", channels=(4, 6, 8)).eval()
+    x = torch.randn(4, 1, 56, 56)
+    with torch.no_grad():
+        exact = model(x)
+    with inference("fp32"):
+        assert torch.equal(model(x), exact)
+    with pytest.raises(ValueError, match="choose one of fp32, bf16"), inference("fp16"):
+        pass
+    if bf16_supported("cpu"):
+        with inference("bf16"):
+            half = model(x).float()
+        assert ((half - exact).norm() / exact.norm()).item() < 0.05
+    else:
+        with pytest.raises(ValueError, match="no native bfloat16"), inference("bf16"):
+            pass

@@ -224,8 +224,10 @@ def _shrink_turn_upsize(
     image: np.ndarray, angle: float, scale: float, out_size: int, mode: str, kernel: int
 ) -> np.ndarray:
     """Pillow's own geometry: an antialiased resize to round(scale * side) pixels, pasted at
-    the centre of a black canvas of the original size, ``Image.rotate`` about the centre,
-    then an upsize; mode ``"F"`` keeps float32 between steps, ``"L"`` rounds to uint8."""
+    the whole-pixel centre of a black canvas of the original size (half a source pixel up and
+    left when the sizes differ by an odd count, as a simple pipeline does), ``Image.rotate``
+    about the canvas centre, then an upsize; mode ``"F"`` keeps float32 between steps, ``"L"``
+    rounds to uint8."""
     side = image.shape[0]
     small = max(1, round(side * float(scale)))
     plane = Image.fromarray(np.asarray(image, dtype=np.float32 if mode == "F" else np.uint8))
@@ -245,6 +247,10 @@ def rotate_scale_upsize(
     the centre (zero fill, same size), upsize to ``out_size``, clamp and round, with the
     pipeline ``resampling`` (``RESAMPLINGS``; the paper's is bicubic in float32).
     uint8 [H, W] -> uint8 [out_size, out_size]."""
+    if resampling not in RESAMPLINGS:
+        raise ValueError(
+            f"unknown resampling {resampling!r}; choose one of {', '.join(RESAMPLINGS)}"
+        )
     return RESAMPLINGS[resampling](image, angle, scale, out_size)
 
 

@@ -1,0 +1,129 @@
+"""Eager inference in bfloat16 against exact float32, on a checkpoint's own test images.
+
+    python train/precision_check.py models/rst_cnn_fb.pt --limit 1024
+    python train/precision_check.py runs/x/best.pt --device cuda
+
+Runs the checkpoint on the first ``--limit`` images of its RS test split (its realisation,
+N_tr and validation size: none seen in training) in float32 and in bfloat16 autocast
+(``rstmodel.precision.inference``), and prints accuracy of each, how often the two agree on
+the top class, the largest logit change relative to the largest float32 logit, the time of
+each pass (same process, same batches) and whether bfloat16 passes the gate: accuracy
+within ``--tolerance`` points of float32 (0.5, as the exported int8 / fp16 files' gate).
+Exit status 0 when it passes, 1 when it does not, 2 when it cannot run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torchvision.transforms import v2
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rstmodel import load_checkpoint
+from rstmodel.checkpoint import CheckpointError
+from rstmodel.data import SourceNotFoundError
+from rstmodel.precision import bf16_supported, inference
+from rstmodel.runtime import use_retaining_allocator
+from train.resampling import test_images
+
+
+def logits_of(
+    model, x: torch.Tensor, precision: str, device, batch: int
+) -> tuple[torch.Tensor, float]:
+    """float32 logits of every image and the seconds the passes took (after one warm-up
+    batch, which fills caches and picks kernels)."""
+    with inference(precision, device):
+        model(x[:batch].to(device))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        out = [model(x[i : i + batch].to(device)).float().cpu() for i in range(0, len(x), batch)]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return torch.cat(out), time.perf_counter() - start
+
+
+def check(
+    path: Path, limit: int, batch: int, device: str, tolerance: float, data_root=None
+) -> dict:
+    device = torch.device(device)
+    model, meta = load_checkpoint(path, map_location=device)
+    run = meta.extra.get("run", {})
+    if not str(run.get("data", "")).startswith("rs-"):
+        raise SystemExit(f"{path}: not trained on RS data (run settings: {run or 'none'})")
+    images, labels = test_images(run, "bicubic", limit, data_root)
+    x = v2.Normalize(meta.mean, meta.std)(torch.from_numpy(images[:, None]).float() / 255)
+    exact, t32 = logits_of(model, x, "fp32", device, batch)
+    half, t16 = logits_of(model, x, "bf16", device, batch)
+    y = torch.from_numpy(labels.astype(np.int64))
+    acc32 = float((exact.argmax(1) == y).float().mean())
+    acc16 = float((half.argmax(1) == y).float().mean())
+    return {
+        "checkpoint": str(path),
+        "model": meta.model_name,
+        "device": str(device),
+        "images": int(len(y)),
+        "batch": batch,
+        "fp32_acc": acc32,
+        "bf16_acc": acc16,
+        "top1_agreement": float((exact.argmax(1) == half.argmax(1)).float().mean()),
+        "max_logit_change": float((half - exact).abs().max() / exact.abs().max()),
+        "fp32_s": t32,
+        "bf16_s": t16,
+        "speedup": t32 / t16,
+        "passes": 100 * (acc32 - acc16) <= tolerance,
+        "tolerance_points": tolerance,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    use_retaining_allocator()
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--limit", type=int, default=1024, help="test images (the first N)")
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tolerance", type=float, default=0.5, help="accuracy points")
+    parser.add_argument("--data-root", type=Path, default=None, help="folder of RS source files")
+    parser.add_argument("--json", type=Path, default=None, help="also write the result here")
+    args = parser.parse_args(argv)
+    if args.limit < 1 or args.batch < 1:
+        parser.error("--limit and --batch must be positive")
+    if not bf16_supported(args.device):
+        print(
+            f"error: {args.device} here has no native bfloat16; nothing to check", file=sys.stderr
+        )
+        return 2
+    try:
+        r = check(
+            args.checkpoint, args.limit, args.batch, args.device, args.tolerance, args.data_root
+        )
+    except (FileNotFoundError, CheckpointError, SourceNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(
+        f"{r['model']} on {r['images']} test images ({r['device']}, batch {r['batch']}):\n"
+        f"  float32  accuracy {100 * r['fp32_acc']:.2f} %  {r['fp32_s']:.2f} s\n"
+        f"  bfloat16 accuracy {100 * r['bf16_acc']:.2f} %  {r['bf16_s']:.2f} s  "
+        f"({r['speedup']:.2f}x)\n"
+        f"  top-1 agreement {100 * r['top1_agreement']:.2f} %, largest logit change "
+        f"{r['max_logit_change']:.3f} of the largest logit\n"
+        f"  gate (within {r['tolerance_points']} points): {'pass' if r['passes'] else 'FAIL'}"
+    )
+    if args.json is not None:
+        args.json.write_text(json.dumps(r, indent=2) + "\n", encoding="utf-8")
+    return 0 if r["passes"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
