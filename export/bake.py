@@ -11,8 +11,11 @@ batch of plain images ``[S*R*B, C, H, W]`` (scale slowest, then rotation, then t
 so pooling, batch norm and 1x1 convolutions are ordinary 4D ops, and the (r, s) slice a
 convolution reads is one contiguous block.
 
-Convolutions. For every scale s (kernel k_s) each RST convolution takes the cheaper, by
-multiply-adds per output pixel and group element, of two exact forms (``cheaper_form``):
+Convolutions. The layers are the one source of their weights: each RST convolution gives
+its expanded filters (``expanded(s)``), its basis cut to each scale (``windowed_basis(s)``)
+and its choice between two exact static forms per scale (``static_form(s)``: the one with
+fewer multiply-adds per output pixel and group element, ``form_costs(s)``); this module only
+arranges them into convolutions:
 
 - DIRECT: the expanded filters as a static conv, ``Cin T Cout k_s^2``;
 - BASIS: a static conv of every input plane with the K basis functions of that rotation
@@ -51,6 +54,7 @@ from torch import Tensor, fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from rstmodel.layers import (
+    ConvMethod,
     GroupMaxPool,
     GroupRSTConv,
     LiftingRSTConv,
@@ -59,9 +63,9 @@ from rstmodel.layers import (
 )
 from rstmodel.models.resnet import _Pointwise
 
-__all__ = ["bake", "cheaper_form", "DIRECT", "BASIS"]
+__all__ = ["bake", "DIRECT", "BASIS", "FormRule"]
 
-DIRECT, BASIS = "direct", "basis"
+DIRECT, BASIS = ConvMethod.DIRECT, ConvMethod.BASIS
 
 _RST_LAYERS = (LiftingRSTConv, GroupRSTConv, RSTBatchNorm, RSTMaxPool, GroupMaxPool, _Pointwise)
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, RSTBatchNorm)
@@ -70,28 +74,25 @@ _RESHAPES = (nn.Identity, nn.Dropout, nn.Flatten)  # identities up to a reshape
 _MAX_POOLS = (nn.MaxPool2d, nn.AdaptiveMaxPool2d, GroupMaxPool)
 
 
-def cheaper_form(in_channels: int, out_channels: int, num_funcs: int, kernel: int) -> str:
-    """DIRECT or BASIS, whichever does fewer multiply-adds per output pixel and group
-    element: ``Cin Cout k^2`` against ``Cin K (k^2 + Cout)`` (``in_channels`` counts taps)."""
-    direct = in_channels * out_channels * kernel**2
-    basis = in_channels * num_funcs * (kernel**2 + out_channels)
-    return DIRECT if direct <= basis else BASIS
+# (layer, scale) -> DIRECT or BASIS; by default the layer's own ``static_form``
+FormRule = Callable[[LiftingRSTConv | GroupRSTConv, int], ConvMethod]
 
 
-FormRule = Callable[[int, int, int, int], str]
+def _own_form(layer: LiftingRSTConv | GroupRSTConv, s: int) -> ConvMethod:
+    return layer.static_form(s)
 
 
 def bake(
-    model: nn.Module, example: Tensor | None = None, *, form: FormRule = cheaper_form
+    model: nn.Module, example: Tensor | None = None, *, form: FormRule = _own_form
 ) -> fx.GraphModule:
     """Plain-torch eval-mode copy of ``model`` (see the module docstring).
     x [B, C, H, W] -> logits [B, classes].
 
     ``example``: an input batch, needed only to fix adaptive pools to static ones; by
     default a zero image of the model's ``config`` (``in_channels``, ``input_size``).
-    ``form(in_channels, out_channels, num_funcs, kernel)``: DIRECT or BASIS for each
-    convolution's scale (default ``cheaper_form``, which ``python -m export.forms_bench``
-    measured fastest in onnxruntime).
+    ``form(layer, s)``: DIRECT or BASIS for each convolution's scale (default the layer's
+    own ``static_form``, which ``python -m export.forms_bench`` measured fastest in
+    onnxruntime; other rules are for that comparison).
     """
     net = copy.deepcopy(model).eval()
     entry = "logits" if hasattr(net, "logits") else "forward"
@@ -337,11 +338,6 @@ def _static_conv(weight: Tensor, bias: Tensor | None = None) -> nn.Conv2d:
     return conv
 
 
-def _window(layer: LiftingRSTConv | GroupRSTConv, s: int) -> slice:
-    k, ks = layer.spec.kernel_size, layer.spec.kernel_sizes[s]
-    return slice((k - ks) // 2, (k - ks) // 2 + ks)
-
-
 class _BakedLifting(nn.Module):
     """Lifting convolution in the group layout.  x [B, Cin, H, W] -> [S*R*B, Cout, H, W]."""
 
@@ -354,16 +350,14 @@ class _BakedLifting(nn.Module):
         a = layer.weight.detach()  # [Cout, Cin, K]
         bias = layer.bias.detach() if layer.bias is not None else None
         self.rotations, self.in_channels, self.num_funcs = rot, cin, nk
-        self.forms = [form(cin, cout, nk, ks) for ks in spec.kernel_sizes]
+        self.forms = [form(layer, s) for s in range(spec.num_scales)]
         self.convs = nn.ModuleList()
         for s, chosen in enumerate(self.forms):
-            w = _window(layer, s)
-            basis = layer.basis[:, :, s, w, w].detach()  # [K, R, ks, ks]
             if chosen == DIRECT:
-                # [Cout, Cin, K] x [K, R, ks, ks] -> [R*Cout, Cin, ks, ks]
-                filt = torch.einsum("oik,krxy->roixy", a, basis).flatten(0, 1)
+                filt = layer.expanded(s).detach().flatten(0, 1)  # [R*Cout, Cin, ks, ks]
                 self.convs.append(_static_conv(filt, None if bias is None else bias.repeat(rot)))
             else:
+                basis = layer.windowed_basis(s).detach()  # [K, R, ks, ks]
                 bank = basis.transpose(0, 1).flatten(0, 1).unsqueeze(1)  # [R*K, 1, ks, ks]
                 self.convs.append(_static_conv(bank))
         self.mix = None
@@ -409,19 +403,18 @@ class _BakedGroupConv(nn.Module):
             ]
             for s in range(nsc)
         ]
-        self.forms = [form(cin * taps, cout, nk, ks) for ks in spec.kernel_sizes]
+        self.forms = [form(layer, s) for s in range(nsc)]
         self.convs = nn.ModuleList()
         for s, chosen in enumerate(self.forms):
-            w = _window(layer, s)
-            basis = layer.basis[:, :, s, w, w].detach()  # [K, R, ks, ks]
-            per_rotation = nn.ModuleList()
-            for r in range(rot):
-                if chosen == DIRECT:
-                    # [Cout, T, Cin, K] x [K, ks, ks] -> [Cout, T*Cin, ks, ks]
-                    filt = torch.einsum("otik,kxy->otixy", a, basis[:, r]).flatten(1, 2)
-                    per_rotation.append(_static_conv(filt, bias))
-                else:
-                    per_rotation.append(_static_conv(basis[:, r].unsqueeze(1)))  # [K, 1, ks, ks]
+            if chosen == DIRECT:
+                filters = layer.expanded(s).detach().flatten(2, 3)  # [R, Cout, T*Cin, ks, ks]
+                per_rotation = nn.ModuleList(_static_conv(f, bias) for f in filters)
+            else:
+                basis = layer.windowed_basis(s).detach()  # [K, R, ks, ks]
+                per_rotation = nn.ModuleList(
+                    _static_conv(basis[:, r].unsqueeze(1))
+                    for r in range(rot)  # [K, 1, ks, ks]
+                )
             self.convs.append(per_rotation)
         self.mix = None
         if BASIS in self.forms:

@@ -4,7 +4,7 @@
 
 ``export.bake`` writes each scale of each RST convolution as DIRECT (the expanded filters
 as one static conv per rotation) or BASIS (a conv with the K basis functions, then a 1x1
-mixing conv), by default whichever does fewer multiply-adds (``cheaper_form``). This bakes
+mixing conv), by default whichever does fewer multiply-adds (each layer's ``static_form``). This bakes
 the checkpoint with that rule and with fixed rules (DIRECT up to a kernel size, BASIS
 everywhere), exports each, checks each against the default file on the same images, and
 times batch 1 (median of 10) and a sweep's batch of 43 in onnxruntime, ``--rounds`` times
@@ -25,11 +25,11 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def _up_to(largest: int) -> Callable[[int, int, int, int], str]:
+def _up_to(largest: int) -> Callable:
     from export.bake import BASIS, DIRECT
 
-    def rule(in_channels: int, out_channels: int, num_funcs: int, kernel: int) -> str:
-        return DIRECT if kernel <= largest else BASIS
+    def rule(layer, s: int):
+        return DIRECT if layer.spec.kernel_sizes[s] <= largest else BASIS
 
     return rule
 
@@ -37,7 +37,6 @@ def _up_to(largest: int) -> Callable[[int, int, int, int], str]:
 def main(argv: Sequence[str] | None = None) -> int:
     import onnxruntime as ort
 
-    from export.bake import cheaper_form
     from export.to_onnx import export_model
     from rstmodel.checkpoint import load_checkpoint
 
@@ -48,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model, meta = load_checkpoint(args.checkpoint)
     shape = (meta.in_channels, meta.input_size, meta.input_size)
     rules = {
-        "fewer multiply-adds (default)": cheaper_form,
+        "fewer multiply-adds (default)": lambda layer, s: layer.static_form(s),
         "DIRECT up to 5x5": _up_to(5),
         "DIRECT up to 7x7": _up_to(7),
         "DIRECT up to 11x11": _up_to(11),

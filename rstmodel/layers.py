@@ -25,7 +25,6 @@ an optimiser step, ``train()`` or ``load_state_dict`` never leaves a stale cache
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import time
@@ -34,7 +33,7 @@ from enum import Enum
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, fx, nn
+from torch import Tensor, nn
 
 from .basis import BasisSpec, sample_basis
 
@@ -46,8 +45,6 @@ __all__ = [
     "RSTBatchNorm",
     "RSTMaxPool",
     "GroupMaxPool",
-    "plain_module",
-    "plain_copy",
     "is_spatial_major",
     "fft_size",
 ]
@@ -77,47 +74,6 @@ def fft_size(n: int) -> int:
         if k == 1:
             return m
         m += 1
-
-
-class _Frozen(nn.Module):
-    """Tracing scaffold for ``plain_module``; never part of an exported module."""
-
-    def __init__(self, forward, tensors: dict[str, Tensor]):
-        super().__init__()
-        self._forward = forward
-        for key, value in tensors.items():
-            self.register_buffer(key, value.detach().clone())
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self._forward(self, x)
-
-
-def plain_module(forward, tensors: dict[str, Tensor], name: str) -> fx.GraphModule:
-    """A ``torch.fx.GraphModule`` (plain torch, no rstmodel class) computing
-    ``forward(root, x)``, with ``tensors`` frozen as buffers."""
-    root = _Frozen(forward, tensors)
-    graph = fx.Tracer().trace(root)
-    return fx.GraphModule(root, graph, class_name=name)
-
-
-def plain_copy(model: nn.Module, entry: str = "forward") -> fx.GraphModule:
-    """Eval-mode plain-torch copy of a model: every module with an ``export()`` is replaced
-    by its export, and the rest is traced into one ``torch.fx.GraphModule`` calling
-    ``model.<entry>(x)``. The source model is not touched."""
-    net = copy.deepcopy(model).eval()
-
-    def swap(parent: nn.Module) -> None:
-        for name, child in parent.named_children():
-            if isinstance(child, _EXPORTABLE):
-                setattr(parent, name, child.export())
-            else:
-                swap(child)
-
-    swap(net)
-    root = _Frozen(lambda m, x: getattr(m.net, entry)(x), {})
-    root.net = net
-    graph = fx.Tracer().trace(root)
-    return fx.GraphModule(root, graph, class_name=f"Exported{type(model).__name__}").eval()
 
 
 def _time_path(path: Callable[[Tensor], Tensor], x: Tensor) -> float:
@@ -213,6 +169,36 @@ class _BasisConv(nn.Module):
         lo = (k - ks) // 2
         return slice(lo, lo + ks)
 
+    @property
+    def taps(self) -> int:
+        """Input planes read per input channel and output (r, s): 1, or L_theta L_alpha."""
+        return 1
+
+    def windowed_basis(self, s: int) -> Tensor:
+        """The basis at scale ``s`` cut to that scale's kernel: ``[K, R, ks, ks]``."""
+        w = self._window(s)
+        return self.basis[:, :, s, w, w]
+
+    def form_costs(self, s: int) -> dict[ConvMethod, int]:
+        """Multiply-adds per output pixel and group element of the two static forms of
+        scale ``s``: DIRECT (the expanded filters, ``Cin T Cout ks^2``) and BASIS (a conv with
+        the K basis functions, then a 1x1 mixing, ``Cin T K (ks^2 + Cout)``). The one count
+        behind the eager AUTO choice (summed over scales) and ``static_form``."""
+        ks2 = self.spec.kernel_sizes[s] ** 2
+        cin, cout, nk = self.in_channels * self.taps, self.out_channels, self.spec.num_funcs
+        return {ConvMethod.DIRECT: cin * cout * ks2, ConvMethod.BASIS: cin * nk * (ks2 + cout)}
+
+    def static_form(self, s: int) -> ConvMethod:
+        """DIRECT or BASIS for scale ``s`` of a static (exported) graph: the one with fewer
+        multiply-adds (``form_costs``; DIRECT on a tie), which onnxruntime measured fastest
+        (``python -m export.forms_bench``)."""
+        costs = self.form_costs(s)
+        return (
+            ConvMethod.DIRECT
+            if costs[ConvMethod.DIRECT] <= costs[ConvMethod.BASIS]
+            else ConvMethod.BASIS
+        )
+
 
 class LiftingRSTConv(_BasisConv):
     """Z2 -> RST lifting convolution (eq. 4).  x [B, Cin, H, W] -> [B, Cout, R, S, H, W].
@@ -268,22 +254,20 @@ class LiftingRSTConv(_BasisConv):
 
     def choose_method(self) -> ConvMethod:
         """DIRECT when Cout R kernels cost fewer multiply-adds than K R basis kernels plus
-        the mixing (few output channels), else BASIS."""
-        rot, nsc, nk = self.spec.rotations, self.spec.num_scales, self.spec.num_funcs
-        area = sum(k * k for k in self.spec.kernel_sizes)
-        direct = self.in_channels * self.out_channels * rot * area
-        basis = self.in_channels * nk * (rot * area + rot * nsc * self.out_channels)
+        the mixing (few output channels), else BASIS (``form_costs`` over all scales)."""
+        costs = [self.form_costs(s) for s in range(self.spec.num_scales)]
+        direct = sum(c[ConvMethod.DIRECT] for c in costs)
+        basis = sum(c[ConvMethod.BASIS] for c in costs)
         return ConvMethod.DIRECT if direct < basis else ConvMethod.BASIS
+
+    def expanded(self, s: int) -> Tensor:
+        """The filters of scale ``s`` for every rotation: ``[R, Cout, Cin, ks, ks]``."""
+        # [Cout, Cin, K] x [K, R, ks, ks] -> [R, Cout, Cin, ks, ks]
+        return torch.einsum("oik,krxy->roixy", self.weight, self.windowed_basis(s))
 
     def conv_weights(self) -> list[Tensor]:
         """Per scale s, the conv2d weight ``[Cout*R, Cin, ks, ks]`` (its own kernel size)."""
-        out = []
-        for s in range(self.spec.num_scales):
-            w = self._window(s)
-            basis = self.basis[:, :, s, w, w]  # [K, R, ks, ks]
-            # [Cout, Cin, K] x [K, R, ks, ks] -> [Cout, R, Cin, ks, ks]
-            out.append(torch.einsum("oik,krxy->orixy", self.weight, basis).flatten(0, 1))
-        return out
+        return [self.expanded(s).transpose(0, 1).flatten(0, 1) for s in range(self.spec.num_scales)]
 
     def forward_direct(self, x: Tensor) -> Tensor:
         """Reference: one conv2d per scale with every rotated filter stacked on Cout."""
@@ -294,21 +278,6 @@ class LiftingRSTConv(_BasisConv):
         # per scale: [B, Cout*R, H, W] -> [B, Cout, R, H, W]
         ys = [F.conv2d(x, w, padding=w.shape[-1] // 2).unflatten(1, shape) for w in weights]
         return torch.stack(ys, dim=3)  # [B, Cout, R, S, H, W]
-
-    def export(self) -> fx.GraphModule:
-        """Plain-torch copy of this layer with its filters frozen (the direct path)."""
-        with torch.no_grad():
-            weights = self.conv_weights()
-        tensors = {f"w{s}": w for s, w in enumerate(weights)}
-        if self.bias is not None:
-            tensors["bias"] = self.bias.view(1, -1, 1, 1, 1, 1)
-        nsc, direct = len(weights), self._direct.__func__
-
-        def forward(m: nn.Module, x: Tensor) -> Tensor:
-            y = direct(self, x, [getattr(m, f"w{s}") for s in range(nsc)])
-            return y + m.bias if hasattr(m, "bias") else y
-
-        return plain_module(forward, tensors, "ExportedLiftingRSTConv")
 
     def forward_basis(self, x: Tensor, *, bias: Tensor | None = None) -> Tensor:
         """Convolve each input channel with the K R basis copies, then mix the K responses
@@ -480,13 +449,13 @@ class GroupRSTConv(_BasisConv):
         batch's spectra. BASIS keeps K responses per input channel, so it serves eval only."""
         rot, nsc, nk = self.spec.rotations, self.spec.num_scales, self.spec.num_funcs
         cit, cout = self.in_channels * self.taps, self.out_channels
-        area = sum(k * k for k in self.spec.kernel_sizes)
+        static = [self.form_costs(s) for s in range(nsc)]
         nh, nw = self._grid(h, w)
         fw = nw // 2 + 1
         freqs = rot * nsc * nh * fw
         filters = freqs // self.quarter_turns(h, w)  # distinct filter spectra
         maps = batch * rot * nsc
-        costs = {ConvMethod.DIRECT: batch * h * w * rot * area * cit * cout}
+        costs = {ConvMethod.DIRECT: batch * h * w * rot * sum(c[ConvMethod.DIRECT] for c in static)}
         if filters * cit * cout * 12 <= max(2**31, batch * (cit + cout) * freqs * 8):
             dfts = maps * self.in_channels * 2 * nh * w * (h + 2 * fw)
             dfts += maps * cout * 2 * h * fw * (2 * nh + w)
@@ -494,19 +463,23 @@ class GroupRSTConv(_BasisConv):
             costs[ConvMethod.FFT] = 3 * batch * freqs * cit * cout + dfts + build
         if not self.training:
             # depthwise convolutions run at about a third of a dense one's rate
-            costs[ConvMethod.BASIS] = 3 * batch * h * w * rot * cit * nk * (area + nsc * cout)
+            costs[ConvMethod.BASIS] = (
+                3 * batch * h * w * rot * sum(c[ConvMethod.BASIS] for c in static)
+            )
         return costs
+
+    def expanded(self, s: int) -> Tensor:
+        """The filters of scale ``s`` for every output rotation: ``[R, Cout, T, Cin, ks, ks]``
+        (tap t reads the planes ``gather_taps`` gives it)."""
+        # [Cout, Cin, T, K] x [K, R, ks, ks] -> [R, Cout, T, Cin, ks, ks]
+        return torch.einsum("oitk,krxy->rotixy", self.weight, self.windowed_basis(s))
 
     def conv_weights(self) -> list[list[Tensor]]:
         """Per scale s and tap t, the conv2d weight ``[R*Cout, Cin, ks, ks]`` (groups = R)."""
-        out = []
-        for s in range(self.spec.num_scales):
-            w = self._window(s)
-            basis = self.basis[:, :, s, w, w]  # [K, R, ks, ks]
-            # [Cout, Cin, T, K] x [K, R, ks, ks] -> [T, R, Cout, Cin, ks, ks]
-            f = torch.einsum("oitk,krxy->troixy", self.weight, basis)
-            out.append(list(f.flatten(1, 2).unbind(0)))
-        return out
+        return [
+            list(self.expanded(s).permute(2, 0, 1, 3, 4, 5).flatten(1, 2).unbind(0))
+            for s in range(self.spec.num_scales)
+        ]
 
     def forward_direct(self, x: Tensor) -> Tensor:
         """Reference: per scale and tap, one conv2d with groups = R (a conv per tap rather
@@ -526,24 +499,6 @@ class GroupRSTConv(_BasisConv):
             out.append(y.unflatten(1, (rot, self.out_channels)).transpose(1, 2))
         return torch.stack(out, dim=3)  # [B, Cout, R, S, H, W]
 
-    def export(self) -> fx.GraphModule:
-        """Plain-torch copy of this layer with its filters frozen (the direct path)."""
-        with torch.no_grad():
-            weights = self.conv_weights()
-        tensors = {f"w{s}_{t}": w for s, ws in enumerate(weights) for t, w in enumerate(ws)}
-        if self.bias is not None:
-            tensors["bias"] = self.bias.view(1, -1, 1, 1, 1, 1)
-        shape = [(s, len(ws)) for s, ws in enumerate(weights)]
-        direct = self._direct.__func__
-        frozen = copy.copy(self)  # shares the index buffers; tracing reads them as constants
-
-        def forward(m: nn.Module, x: Tensor) -> Tensor:
-            ws = [[getattr(m, f"w{s}_{t}") for t in range(n)] for s, n in shape]
-            y = direct(frozen, x, ws)
-            return y + m.bias if hasattr(m, "bias") else y
-
-        return plain_module(forward, tensors, "ExportedGroupRSTConv")
-
     def forward_basis(self, x: Tensor) -> Tensor:
         """Convolve every (input channel, tap) plane with the K basis copies of its output
         rotation and scale (depthwise), then mix the K responses into Cout channels (a 1x1
@@ -559,8 +514,7 @@ class GroupRSTConv(_BasisConv):
         rot, groups = self.spec.rotations, self.in_channels * self.taps
         depthwise = []
         for s in range(self.spec.num_scales):
-            w = self._window(s)
-            basis = self.basis[:, :, s, w, w].transpose(0, 1)  # [R, K, ks, ks]
+            basis = self.windowed_basis(s).transpose(0, 1)  # [R, K, ks, ks]
             basis = basis[:, None].expand(rot, groups, *basis.shape[1:])  # [R, Cin*T, K, ks, ks]
             depthwise.append(basis.reshape(-1, 1, *basis.shape[-2:]))
         mix = self.weight.reshape(self.out_channels, -1, 1, 1).repeat(rot, 1, 1, 1)
@@ -879,19 +833,6 @@ class RSTBatchNorm(nn.BatchNorm3d):
     """Batch norm with one statistic per channel, shared over R, S, H, W (equivariant).
     x [B, C, R, S, H, W] -> same shape."""
 
-    def export(self) -> fx.GraphModule:
-        """Plain-torch eval-mode copy: a per-channel affine map with the running stats."""
-        with torch.no_grad():
-            scale = torch.rsqrt(self.running_var + self.eps)
-            if self.weight is not None:
-                scale = scale * self.weight
-            shift = -self.running_mean * scale
-            if self.bias is not None:
-                shift = shift + self.bias
-        view = (1, -1, 1, 1, 1, 1)
-        tensors = {"scale": scale.view(view), "shift": shift.view(view)}
-        return plain_module(lambda m, x: x * m.scale + m.shift, tensors, "ExportedRSTBatchNorm")
-
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() not in (2, 5):
             raise ValueError(f"expected a 2D or 5D input, got {input.dim()}D")
@@ -1025,16 +966,6 @@ class RSTMaxPool(nn.Module):
     def extra_repr(self) -> str:
         return f"relu={self.relu}"
 
-    def export(self) -> fx.GraphModule:
-        relu = self.relu
-
-        def forward(m: nn.Module, x: Tensor) -> Tensor:
-            # [B, C, R, S, H, W] -> [B, C, R*S, H, W] -> pooled -> [B, C, R, S, H/2, W/2]
-            y = F.max_pool3d(x.flatten(2, 3), (1, 2, 2)).unflatten(2, (x.size(2), -1))
-            return F.relu(y) if relu else y
-
-        return plain_module(forward, {}, "ExportedRSTMaxPool")
-
     def forward(self, x: Tensor) -> Tensor:
         _check_even(*x.shape[-2:])
         return _MaxPoolReLU.apply(x, self.relu)
@@ -1051,15 +982,8 @@ class GroupMaxPool(nn.Module):
     def extra_repr(self) -> str:
         return f"spatial={self.spatial}"
 
-    def export(self) -> fx.GraphModule:
-        dims = (2, 3, 4, 5) if self.spatial else (2, 3)
-        return plain_module(lambda m, x: x.amax(dim=dims), {}, "ExportedGroupMaxPool")
-
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() != 6:
             raise ValueError(f"GroupMaxPool expects [B, C, R, S, H, W], got {tuple(x.shape)}")
         dims = (2, 3, 4, 5) if self.spatial else (2, 3)
         return x.amax(dim=dims)
-
-
-_EXPORTABLE = (LiftingRSTConv, GroupRSTConv, RSTBatchNorm, RSTMaxPool, GroupMaxPool)

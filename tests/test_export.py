@@ -21,10 +21,11 @@ from torch import nn
 
 import rstmodel
 from export import to_onnx
-from export.bake import BASIS, bake, cheaper_form
+from export.bake import BASIS, bake
 from export.to_onnx import check_onnx, export_model, export_onnx, group_metadata
 from export.to_tensorrt import fp16_model, missing_requirements
 from rstmodel.data import RSConfig, default_cache_dir, load_rs
+from rstmodel.layers import GroupRSTConv
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -159,8 +160,9 @@ def test_default_rst_cnn_fb_bakes_to_basis_form_and_a_small_file():
     model = rstmodel.create_model("rst_cnn_fb").eval()
     randomize_norms(model)
     spec = model.spec
-    for cin, cout in ((69, 135), (135, 204)):
-        assert all(cheaper_form(cin, cout, spec.num_funcs, k) == BASIS for k in spec.kernel_sizes)
+    convs = [m for m in model.modules() if isinstance(m, GroupRSTConv)]
+    assert [(c.in_channels, c.out_channels) for c in convs] == [(69, 135), (135, 204)]
+    assert all(c.static_form(s) == BASIS for c in convs for s in range(spec.num_scales))
     baked = bake(model)
     convs = [m for m in baked.modules() if isinstance(m, nn.Conv2d)]
     spatial = [m for m in convs if m.kernel_size[0] > 1]

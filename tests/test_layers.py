@@ -1,4 +1,4 @@
-"""RST layers: equivariance, fast path == reference path, eval caches, export, validation."""
+"""RST layers: equivariance, fast path == reference path, eval caches, expanded weights, validation."""
 
 from __future__ import annotations
 
@@ -55,10 +55,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def turn(y: torch.Tensor, spec: BasisSpec, k: int = 1) -> torch.Tensor:
     return act_on_features(y, RSTElement(k * math.pi / 2), scale_step=spec.scale_step)
-
-
-def no_rstmodel_modules(module: nn.Module) -> bool:
-    return all(not type(m).__module__.startswith("rstmodel") for m in module.modules())
 
 
 # ---------------------------------------------------------------- exact equivariance
@@ -525,76 +521,43 @@ def test_cache_follows_a_dtype_cast(kind):
     torch.testing.assert_close(out, fresh_output(make, layer, x.to(F64)), rtol=1e-12, atol=1e-12)
 
 
-# ---------------------------------------------------------------- export
+# ---------------------------------------------------------------- expanded weights
 
 
-EXPORTABLE: dict[str, Callable[[], nn.Module]] = {
-    "lifting-direct": lambda: LiftingRSTConv(2, 3, SPEC, method=ConvMethod.DIRECT),
-    "lifting-basis": lambda: LiftingRSTConv(2, 3, SPEC_SL, method=ConvMethod.BASIS),
-    "group-direct": lambda: GroupRSTConv(2, 3, SPEC, rotation_taps=4, method=ConvMethod.DIRECT),
-    "group-fft": lambda: GroupRSTConv(
-        2, 3, SPEC, rotation_taps=3, scale_taps=2, tap_mode="adjacent", method=ConvMethod.FFT
-    ),
-    "group-basis": lambda: GroupRSTConv(2, 3, SPEC_SL, rotation_taps=2, method=ConvMethod.BASIS),
-    "group-auto-nobias": lambda: GroupRSTConv(2, 3, SPEC, scale_taps=2, bias=False),
-    "batchnorm": lambda: RSTBatchNorm(2),
-    "maxpool-relu": lambda: RSTMaxPool(relu=True),
-    "maxpool": lambda: RSTMaxPool(relu=False),
-    "groupmax-spatial": lambda: GroupMaxPool(spatial=True),
-    "groupmax": lambda: GroupMaxPool(spatial=False),
-}
+def test_expanded_filters_are_the_full_filters_cut_to_each_scale():
+    """``expanded(s)``, what export.bake and the direct paths read, is ``filters()`` at
+    scale s cut to that scale's kernel, for the lifting and the group layer (with taps)."""
+    lift = LiftingRSTConv(2, 3, SPEC)
+    group = GroupRSTConv(2, 3, SPEC, rotation_taps=2, scale_taps=2)
+    k = SPEC.kernel_size
+    for s, ks in enumerate(SPEC.kernel_sizes):
+        w = slice((k - ks) // 2, (k - ks) // 2 + ks)
+        full = lift.filters()[:, :, s, :, w, w]  # [Cout, R, Cin, ks, ks]
+        torch.testing.assert_close(lift.expanded(s), full.transpose(0, 1))
+        torch.testing.assert_close(lift.conv_weights()[s], full.flatten(0, 1))
+        taps = group.filters()[:, :, s, :, :, w, w]  # [Cout, R, Cin, T, ks, ks]
+        torch.testing.assert_close(group.expanded(s), taps.permute(1, 0, 3, 2, 4, 5))
+        for t, weight in enumerate(group.conv_weights()[s]):  # [R*Cout, Cin, ks, ks]
+            torch.testing.assert_close(weight, taps[:, :, :, t].transpose(0, 1).flatten(0, 1))
 
 
-def export_input(layer: nn.Module) -> torch.Tensor:
-    if isinstance(layer, LiftingRSTConv):
-        return torch.randn(4, layer.in_channels, 12, 12)
-    channels = layer.num_features if isinstance(layer, RSTBatchNorm) else 2
-    if isinstance(layer, GroupRSTConv):
-        channels = layer.in_channels
-    return torch.randn(4, channels, 8, 2, 12, 12) * 2 + 0.5
-
-
-@pytest.mark.parametrize("kind", EXPORTABLE)
-def test_export_matches_eval_forward_after_training(kind):
-    layer = EXPORTABLE[kind]()
-    x = export_input(layer)
-    cached_eval(layer, x)  # would leave a stale cache behind
-    params = list(layer.parameters())
-    layer.train()
-    if params:
-        opt = torch.optim.Adam(params, lr=0.05)
-        for _ in range(3):
-            opt.zero_grad()
-            layer(x).sin().mean().backward()
-            opt.step()
-    else:
-        layer(x)
-    expected = cached_eval(layer, x)
-    exported = layer.export()
-    assert isinstance(exported, torch.fx.GraphModule)
-    assert no_rstmodel_modules(exported)
-    with torch.no_grad():
-        got = exported(x)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    # the export is a frozen copy: later changes to the source do not reach it
-    with torch.no_grad():
-        for p in params:
-            p.add_(1.0)
-        if isinstance(layer, RSTBatchNorm):
-            layer.running_mean.add_(1.0)
-        assert torch.equal(exported(x), got)
-        if params:
-            assert not torch.allclose(cached_eval(layer, x), got)
-
-
-def test_export_does_not_touch_the_source():
-    conv = GroupRSTConv(2, 3, SPEC, rotation_taps=2)
-    state = {k: v.clone() for k, v in conv.state_dict().items()}
-    conv.train()
-    conv.export()
-    assert conv.training
-    for k, v in conv.state_dict().items():
-        assert torch.equal(v, state[k])
+def test_static_form_and_auto_choice_read_one_cost_count():
+    """One multiply-add count per scale (``form_costs``): the static form takes the smaller
+    (DIRECT on a tie), the lifting layer's AUTO choice compares their sums over scales."""
+    for cout in (1, 4, 64):
+        lift = LiftingRSTConv(3, cout, SPEC)
+        group = GroupRSTConv(3, cout, SPEC, rotation_taps=2)
+        for layer in (lift, group):
+            for s, ks in enumerate(SPEC.kernel_sizes):
+                costs = layer.form_costs(s)
+                cin = 3 * layer.taps
+                assert costs[ConvMethod.DIRECT] == cin * cout * ks * ks
+                assert costs[ConvMethod.BASIS] == cin * SPEC.num_funcs * (ks * ks + cout)
+                cheaper = min(costs, key=lambda m: (costs[m], m is not ConvMethod.DIRECT))
+                assert layer.static_form(s) is cheaper
+        direct = sum(lift.form_costs(s)[ConvMethod.DIRECT] for s in range(SPEC.num_scales))
+        basis = sum(lift.form_costs(s)[ConvMethod.BASIS] for s in range(SPEC.num_scales))
+        assert lift.choose_method() is (ConvMethod.DIRECT if direct < basis else ConvMethod.BASIS)
 
 
 # ---------------------------------------------------------------- max-pool gradient

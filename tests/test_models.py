@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from export.bake import bake
 from rstmodel import create_model, list_models, register_model
 from rstmodel.models import registry
 
@@ -256,7 +257,7 @@ def test_export_matches_eval_forward_after_training(name):
         opt.zero_grad()
         F.cross_entropy(model(x), target).backward()
         opt.step()
-    exported = model.export()
+    exported = bake(model)
     assert model.training  # export leaves the source alone
     assert no_rstmodel_modules(exported)
     model.eval()

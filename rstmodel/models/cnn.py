@@ -6,7 +6,6 @@ from dataclasses import dataclass, replace
 
 from torch import Tensor, nn
 
-from ..layers import plain_copy
 from .registry import check_images, register_model
 
 __all__ = ["CNNConfig", "CNN"]
@@ -75,10 +74,6 @@ class CNN(nn.Module):
     def logits(self, x: Tensor) -> Tensor:
         """``forward`` without the input check."""
         return self.head(self.features(x))
-
-    def export(self) -> nn.Module:
-        """The model is plain torch already: an eval-mode traced copy."""
-        return plain_copy(self, "logits")
 
 
 @register_model

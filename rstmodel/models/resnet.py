@@ -20,7 +20,6 @@ from ..layers import (
     LiftingRSTConv,
     RSTBatchNorm,
     RSTMaxPool,
-    plain_copy,
 )
 from .registry import check_images, register_model
 
@@ -150,9 +149,6 @@ class ResNet16(nn.Module):
     def logits(self, x: Tensor) -> Tensor:
         return self.head(self.out(self.stages(self.stem(x))))
 
-    def export(self) -> nn.Module:
-        return plain_copy(self, "logits")
-
 
 class RSTResNet16(nn.Module):
     """RST Wide ResNet-16.  x [B, 3, 96, 96] -> logits [B, classes] (90-degree invariant)."""
@@ -189,10 +185,6 @@ class RSTResNet16(nn.Module):
 
     def logits(self, x: Tensor) -> Tensor:
         return self.head(self.pool(self.out(self.stages(self.stem(x)))))
-
-    def export(self) -> nn.Module:
-        """Plain-torch eval-mode copy (filters frozen; no rstmodel class inside)."""
-        return plain_copy(self, "logits")
 
 
 @register_model

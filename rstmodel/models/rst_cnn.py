@@ -20,7 +20,6 @@ from ..layers import (
     RotationTaps,
     RSTBatchNorm,
     RSTMaxPool,
-    plain_copy,
 )
 from .registry import check_images, register_model
 
@@ -144,10 +143,6 @@ class RSTCNN(nn.Module):
     def logits(self, x: Tensor) -> Tensor:
         """``forward`` without the input check.  x [B, Cin, N, N] -> [B, classes]."""
         return self.head(self.pool(self.blocks(x)))
-
-    def export(self) -> nn.Module:
-        """Plain-torch eval-mode copy (filters frozen; no rstmodel class inside)."""
-        return plain_copy(self, "logits")
 
 
 def _rst(**fields):
