@@ -34,6 +34,7 @@ __all__ = [
     "GateResult",
     "convert",
     "gate",
+    "record_gate",
     "quarter_turn_change",
 ]
 
@@ -186,6 +187,29 @@ class GateResult:
             f"{self.max_abs_diff:.3g}; quarter turn max |logit change| {self.quarter_turn:.3g} "
             f"(float32 {self.reference_quarter_turn:.3g})"
         )
+
+
+def record_gate(path: str | Path, result: GateResult) -> None:
+    """Write ``result`` into the file's metadata as ``rstcnn.gate`` (JSON: passes, images,
+    accuracy, reference_accuracy, drop_points, limit_points), so a server can tell a checked
+    reduced-precision file from an unchecked one (``serve.variants``). Atomic rewrite."""
+    path = Path(path)
+    proto = onnx.load(str(path))
+    metadata = {p.key: p.value for p in proto.metadata_props}
+    metadata["rstcnn.gate"] = json.dumps(
+        {
+            "passes": result.ok,
+            "images": result.count,
+            "accuracy": result.accuracy,
+            "reference_accuracy": result.reference_accuracy,
+            "drop_points": result.drop_points,
+            "limit_points": GATE_POINTS,
+        }
+    )
+    _set_metadata(proto, metadata)
+    tmp = path.with_name(f".{path.name}.tmp")
+    onnx.save(proto, str(tmp))
+    tmp.replace(path)
 
 
 def gate(path: str | Path, reference: str | Path, x: np.ndarray, labels: np.ndarray) -> GateResult:

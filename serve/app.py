@@ -62,6 +62,7 @@ from serve.uploads import (
     decode_image,
     read_uploaded,
 )
+from serve.variants import fastest_variants
 
 __all__ = ["build_app", "build_ui", "main", "DEFAULT_MODELS"]
 
@@ -104,13 +105,20 @@ def build_app(
     """The API and the Gradio UI on one FastAPI app.
 
     ``models``: ONNX paths or ``Classifier`` objects (default: the shipped RST-CNN and CNN);
+    of several files of one checkpoint the fastest servable one is served (``serve.variants``);
     ``samples_dir``: where the gallery's test images are written (default: the data cache's
     ``app/samples``); ``threads``: onnxruntime intra-op threads per model; ``limits``: how
     many requests run and wait at once; ``hosts``: the host names it answers to ("*": any);
     ``cors_origins``: origins whose pages may call it (default: none).
     """
-    model_set = ModelSet(_load(models, threads))
     spec = spec or SweepSpec()
+    # several files of one checkpoint (float32 / int8 / float16): the fastest servable one
+    served, _ = fastest_variants(_load(models, threads), spec.batch_size)
+    if not served:
+        raise ValueError(
+            "no servable model: every file is a reduced-precision copy without a passing accuracy check"
+        )
+    model_set = ModelSet(served)
     limits = limits or Limits()
     folder = Path(samples_dir) if samples_dir else default_cache_dir() / "app" / "samples"
     samples = write_samples(folder)
@@ -406,7 +414,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--model",
         action="append",
-        help=f"ONNX model to serve (repeatable; default: {' '.join(DEFAULT_MODELS)})",
+        help=f"ONNX model to serve (repeatable; default: {' '.join(DEFAULT_MODELS)}); of "
+        "several files of one checkpoint the fastest servable one is served",
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=7860)

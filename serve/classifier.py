@@ -48,7 +48,15 @@ MAX_BATCH = 32
 MAX_MODEL_BYTES = 1 << 30  # an ONNX file larger than this is refused unread
 
 _PREFIX = "rstcnn."
-_JSON_KEYS = ("class_names", "input_size", "normalization", "group", "accuracy")
+_JSON_KEYS = (
+    "class_names",
+    "input_size",
+    "normalization",
+    "group",
+    "accuracy",
+    "calibration",
+    "gate",
+)
 _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)  # ITU-R 601-2, as PIL's "L"
 _GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 
@@ -113,6 +121,7 @@ class Classifier:
             raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.providers = list(providers)
         self.max_batch = max_batch
+        self.source: str | None = None  # the file it was loaded from, if any
         self._run = run
 
     def _read_metadata(self) -> None:
@@ -218,6 +227,7 @@ class Classifier:
 
         classifier = cls(run, props, used, max_batch=max_batch)
         classifier._check_graph(path.name, inputs[0].shape, outputs[0].shape)
+        classifier.source = str(path)
         return classifier
 
     def _check_graph(self, name: str, input_shape: Sequence[Any], output_shape: Sequence[Any]):

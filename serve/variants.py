@@ -1,0 +1,112 @@
+"""Several exported files of one model (float32, int8 and float16 copies of one checkpoint):
+serve the fastest one that may be served.
+
+A file may be served when it computes in float32 (``rstcnn.precision`` absent or ``fp32``) or
+when its ``rstcnn.gate`` metadata, written by ``export/to_onnx.py --precision P --check N``,
+says it kept its accuracy on N real test images within the gate (0.5 points of float32). A
+reduced-precision file without a passing gate is left out, with a log line saying why.
+
+Files of the same checkpoint (the same ``rstcnn.checkpoint_sha256``) compete: each runs the
+batch a stability request sends it (all sweep steps at once), once to warm up and then
+``repeats`` times, and the one with the smallest median time is served. Files of different
+checkpoints are all served, in the order given. With one file per checkpoint nothing is timed.
+
+    python serve/app.py --model m.onnx --model m.int8.onnx --model m.fp16.onnx
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["servable", "fastest_variants"]
+
+log = logging.getLogger("serve.variants")
+
+_PREFIX = "rstcnn."
+
+
+def _meta(clf: Any) -> dict[str, Any]:
+    meta = getattr(clf, "metadata", None)
+    return meta if isinstance(meta, dict) else {}
+
+
+def servable(clf: Any) -> tuple[bool, str]:
+    """Whether ``clf`` may be served, and in words why (or why not)."""
+    meta = _meta(clf)
+    precision = str(meta.get(_PREFIX + "precision", "fp32"))
+    if precision == "fp32":
+        return True, "float32"
+    gate = meta.get(_PREFIX + "gate")
+    if not isinstance(gate, dict):
+        return False, f"{precision} without an accuracy check (export it with --check N)"
+    if not gate.get("passes"):
+        return False, (
+            f"{precision} failed its accuracy check: {gate.get('drop_points', float('nan')):+.2f} "
+            f"points on {gate.get('images')} test images (limit {gate.get('limit_points')})"
+        )
+    return True, (
+        f"{precision}, accuracy check passed ({gate.get('drop_points', 0.0):+.2f} points on "
+        f"{gate.get('images')} test images)"
+    )
+
+
+def _seconds(clf: Any, batch: int, repeats: int) -> float:
+    x = np.zeros((batch, *clf.input_size), dtype=np.float32)
+    clf.run_logits(x)  # warm-up: the session's first run allocates and plans
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        clf.run_logits(x)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def fastest_variants(
+    classifiers: Sequence[Any], batch: int, repeats: int = 3
+) -> tuple[list[Any], list[str]]:
+    """The classifiers to serve (see the module docstring) and one line per decision.
+    Objects without rstcnn metadata (e.g. test doubles) are kept as they are."""
+    groups: dict[Any, list[Any]] = {}
+    for i, clf in enumerate(classifiers):
+        key = _meta(clf).get(_PREFIX + "checkpoint_sha256") or ("unkeyed", i)
+        groups.setdefault(key, []).append(clf)
+    kept, lines = [], []
+    for members in groups.values():
+        allowed = []
+        for clf in members:
+            ok, why = servable(clf)
+            if ok:
+                allowed.append(clf)
+            else:
+                lines.append(f"{_label(clf)}: not served, {why}")
+        if not allowed:
+            lines.append(f"{_label(members[0])}: no servable file of this checkpoint")
+            continue
+        if len(allowed) == 1:
+            kept.append(allowed[0])
+            continue
+        times = {id(clf): _seconds(clf, batch, repeats) for clf in allowed}
+        best = min(allowed, key=lambda c: times[id(c)])
+        for clf in allowed:
+            verdict = "served" if clf is best else "slower"
+            lines.append(
+                f"{_label(clf)}: {servable(clf)[1]}, {times[id(clf)] * 1e3:.1f} ms per batch of "
+                f"{batch}, {verdict}"
+            )
+        kept.append(best)
+    for line in lines:
+        log.info("%s", line)
+    return kept, lines
+
+
+def _label(clf: Any) -> str:
+    source = getattr(clf, "source", None)
+    return (
+        f"{getattr(clf, 'name', 'model')} ({source})" if source else getattr(clf, "name", "model")
+    )

@@ -1,0 +1,89 @@
+"""serve.variants: of several exported files of one checkpoint, the server keeps the fastest
+that may be served (float32, or a reduced copy whose recorded accuracy check passed)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import onnx
+import pytest
+from fastapi.testclient import TestClient
+
+from export.precision import GATE_POINTS, GateResult, convert, record_gate
+from serve import Classifier
+from serve.app import build_app
+from serve.variants import fastest_variants, servable
+
+
+def gate_result(passes: bool) -> GateResult:
+    drop = 0.1 if passes else GATE_POINTS + 1
+    return GateResult("int8", 32, 0.80 - drop / 100, 0.80, 0.97, 0.2, 0.05, 1e-6)
+
+
+@pytest.fixture(scope="module")
+def variants(model_paths, tmp_path_factory):
+    """The tiny exported CNN, an int8 copy with a passing check, one with a failing check
+    and one never checked."""
+    folder = tmp_path_factory.mktemp("variants")
+    cnn = model_paths[1]
+    x = np.random.default_rng(0).normal(size=(8, 1, 56, 56)).astype(np.float32)
+    paths = {"fp32": cnn}
+    for name, passes in (("passed", True), ("failed", False), ("unchecked", None)):
+        out = folder / f"cnn.{name}.onnx"
+        convert(cnn, out, "int8", calibration=x, calibration_source="noise")
+        if passes is not None:
+            record_gate(out, gate_result(passes))
+        paths[name] = out
+    return paths
+
+
+def test_record_gate_writes_the_verdict_into_the_file(variants):
+    meta = {p.key: p.value for p in onnx.load(variants["passed"]).metadata_props}
+    gate = json.loads(meta["rstcnn.gate"])
+    assert gate["passes"] is True and gate["images"] == 32 and gate["limit_points"] == GATE_POINTS
+    assert gate["drop_points"] == pytest.approx(0.1)
+    assert meta["rstcnn.precision"] == "int8"  # the rest of the metadata is kept
+    failed = json.loads(
+        {p.key: p.value for p in onnx.load(variants["failed"]).metadata_props}["rstcnn.gate"]
+    )
+    assert failed["passes"] is False
+
+
+def test_servable_reads_precision_and_gate(variants):
+    load = {k: Classifier.from_onnx(p, threads=1) for k, p in variants.items()}
+    assert servable(load["fp32"]) == (True, "float32")
+    ok, why = servable(load["passed"])
+    assert ok and why == "int8, accuracy check passed (+0.10 points on 32 test images)"
+    ok, why = servable(load["failed"])
+    assert not ok and "failed its accuracy check" in why and "limit 0.5" in why
+    ok, why = servable(load["unchecked"])
+    assert not ok and "without an accuracy check" in why and "--check" in why
+
+
+def test_fastest_servable_file_of_each_checkpoint_is_kept(variants, model_paths, caplog):
+    load = {k: Classifier.from_onnx(p, threads=1) for k, p in variants.items()}
+    rst = Classifier.from_onnx(model_paths[0], threads=1)
+    order = [rst, load["unchecked"], load["fp32"], load["failed"], load["passed"]]
+    with caplog.at_level(logging.INFO, logger="serve.variants"):
+        kept, lines = fastest_variants(order, batch=4, repeats=1)
+    assert kept[0] is rst  # another checkpoint: kept, in its place
+    assert len(kept) == 2 and kept[1] in (load["fp32"], load["passed"])
+    assert sum("not served" in line for line in lines) == 2
+    timed = [line for line in lines if "ms per batch of 4" in line]
+    assert len(timed) == 2 and sum(line.endswith("served") for line in timed) == 1
+    assert all(line in caplog.text for line in lines)
+    # a single servable file is kept without timing
+    kept, lines = fastest_variants([load["fp32"], load["failed"]], batch=4)
+    assert kept == [load["fp32"]] and len(lines) == 1
+
+
+def test_the_app_serves_one_file_per_checkpoint(variants, model_paths, samples):
+    folder = samples[0].path.parent
+    app = build_app([model_paths[0], variants["fp32"], variants["unchecked"]], samples_dir=folder)
+    listed = TestClient(app, base_url="http://127.0.0.1").get("/v1/models").json()
+    names = [m["name"] for m in listed["models"]]
+    assert names == ["rst_cnn_fb", "cnn"]  # the unchecked int8 copy is not served
+    with pytest.raises(ValueError, match="no servable model"):
+        build_app([variants["unchecked"]], samples_dir=folder)
