@@ -40,6 +40,15 @@ layer, ``b`` goes into that layer's bias (``W (x + b) = W x + W b``), and the si
 no max lies between. So in the paper's models the last norm before the group max-pool and
 FC head leaves at most a Mul by signs, and every other norm leaves one Mul/Add.
 
+Quarter turns (``quarter_turns=True``). With one rotation tap in every group convolution,
+R divisible by 4 and square maps, branch ``r + qR/4`` of every layer equals branch ``r`` run
+on the input turned by q quarter turns (the sampled basis turns exactly, 'same' convolutions,
+2x2 pools, per-channel maps and ReLU all commute with ``rot90``), and the final spatial group
+max-pool takes the max over every branch. So the baked graph runs only the R/4 base
+rotations, on the four turned copies of each image stacked into the batch, and the group
+max-pool also takes the max over the copies: the same logits with a quarter of the
+rotation-specific weights, each read once for four images.
+
 The source model is never touched (a deep copy is baked).
 """
 
@@ -63,7 +72,7 @@ from rstmodel.layers import (
 )
 from rstmodel.models.resnet import _Pointwise
 
-__all__ = ["bake", "DIRECT", "BASIS", "FormRule"]
+__all__ = ["bake", "check_quarter_turns", "DIRECT", "BASIS", "FormRule"]
 
 DIRECT, BASIS = ConvMethod.DIRECT, ConvMethod.BASIS
 
@@ -83,7 +92,11 @@ def _own_form(layer: LiftingRSTConv | GroupRSTConv, s: int) -> ConvMethod:
 
 
 def bake(
-    model: nn.Module, example: Tensor | None = None, *, form: FormRule = _own_form
+    model: nn.Module,
+    example: Tensor | None = None,
+    *,
+    form: FormRule = _own_form,
+    quarter_turns: bool = False,
 ) -> fx.GraphModule:
     """Plain-torch eval-mode copy of ``model`` (see the module docstring).
     x [B, C, H, W] -> logits [B, classes].
@@ -92,7 +105,8 @@ def bake(
     default a zero image of the model's ``config`` (``in_channels``, ``input_size``).
     ``form(layer, s)``: DIRECT or BASIS for each convolution's scale (default the layer's
     own ``static_form``, which ``python -m export.forms_bench`` measured fastest in
-    onnxruntime; other rules are for that comparison).
+    onnxruntime; other rules are for that comparison). ``quarter_turns``: the quarter-turn
+    form (module docstring); a ValueError where the model does not allow it.
     """
     net = copy.deepcopy(model).eval()
     entry = "logits" if hasattr(net, "logits") else "forward"
@@ -102,7 +116,10 @@ def bake(
             ShapeProp(graph).propagate(_example(net, example))
         _drop_identities(graph)
         _fold_norms(graph)
-        _swap_layers(graph, _group_order(net), form)
+        copies = check_quarter_turns(net) if quarter_turns else 1
+        _swap_layers(graph, _group_order(net), form, copies)
+        if copies > 1:
+            _turn_input(graph)
     name = f"Baked{type(model).__name__}"
     baked = fx.GraphModule(graph, fx.Tracer().trace(graph), class_name=name)
     for p in baked.parameters():
@@ -154,6 +171,37 @@ def _module(graph: fx.GraphModule, node: fx.Node) -> nn.Module | None:
 def _set_module(graph: fx.GraphModule, target: str, module: nn.Module) -> None:
     parent, _, name = target.rpartition(".")
     setattr(graph.get_submodule(parent) if parent else graph, name, module)
+
+
+def check_quarter_turns(net: nn.Module) -> int:
+    """4, or a ValueError saying why ``net`` has no quarter-turn form."""
+    convs = [m for m in net.modules() if isinstance(m, (LiftingRSTConv, GroupRSTConv))]
+    pools = [m for m in net.modules() if isinstance(m, GroupMaxPool)]
+    why = []
+    if not convs:
+        why.append("no RST convolution")
+    if any(m.spec.rotations % 4 for m in convs):
+        why.append("R not divisible by 4")
+    if any(isinstance(m, GroupRSTConv) and m.rotation_taps != 1 for m in convs):
+        why.append("a group convolution with several rotation taps")
+    if not pools or not all(p.spatial for p in pools):
+        why.append("no spatial group max-pool before the head")
+    if why:
+        raise ValueError(f"quarter_turns needs {', '.join(why)} to be otherwise")
+    return 4
+
+
+def _turn_input(graph: fx.GraphModule) -> None:
+    """Feed the model the four quarter turns of each input image, stacked on the batch:
+    ``[B, C, H, W] -> [4*B, C, H, W]`` (``rot90`` and ``cat`` in the graph)."""
+    x = next(n for n in graph.graph.nodes if n.op == "placeholder")
+    users = [n for n in graph.graph.nodes if n in x.users]
+    with graph.graph.inserting_before(users[0]):
+        turns = [graph.graph.call_function(torch.rot90, (x, q, (-2, -1))) for q in (1, 2, 3)]
+        stacked = graph.graph.call_function(torch.cat, ([x, *turns],))
+    for user in users:
+        user.replace_input_with(x, stacked)
+    graph.recompile()
 
 
 def _group_order(net: nn.Module) -> int:
@@ -341,11 +389,11 @@ def _static_conv(weight: Tensor, bias: Tensor | None = None) -> nn.Conv2d:
 class _BakedLifting(nn.Module):
     """Lifting convolution in the group layout.  x [B, Cin, H, W] -> [S*R*B, Cout, H, W]."""
 
-    def __init__(self, layer: LiftingRSTConv, post: nn.Module, form: FormRule):
+    def __init__(self, layer: LiftingRSTConv, post: nn.Module, form: FormRule, rotations: int):
         super().__init__()
         self.post = post  # per-image ops applied to each (r, s) output
         spec = layer.spec
-        rot, nk = spec.rotations, spec.num_funcs
+        rot, nk = rotations, spec.num_funcs  # the first `rotations` of R
         cin, cout = layer.in_channels, layer.out_channels
         a = layer.weight.detach()  # [Cout, Cin, K]
         bias = layer.bias.detach() if layer.bias is not None else None
@@ -354,10 +402,10 @@ class _BakedLifting(nn.Module):
         self.convs = nn.ModuleList()
         for s, chosen in enumerate(self.forms):
             if chosen == DIRECT:
-                filt = layer.expanded(s).detach().flatten(0, 1)  # [R*Cout, Cin, ks, ks]
+                filt = layer.expanded(s)[:rot].detach().flatten(0, 1)  # [R*Cout, Cin, ks, ks]
                 self.convs.append(_static_conv(filt, None if bias is None else bias.repeat(rot)))
             else:
-                basis = layer.windowed_basis(s).detach()  # [K, R, ks, ks]
+                basis = layer.windowed_basis(s)[:, :rot].detach()  # [K, R, ks, ks]
                 bank = basis.transpose(0, 1).flatten(0, 1).unsqueeze(1)  # [R*K, 1, ks, ks]
                 self.convs.append(_static_conv(bank))
         self.mix = None
@@ -382,11 +430,11 @@ class _BakedGroupConv(nn.Module):
     """Group convolution in the group layout, one static conv (DIRECT) or basis conv plus
     shared 1x1 mixing (BASIS) per output (r, s).  x [S*R*B, Cin, H, W] -> [S*R*B, Cout, H, W]."""
 
-    def __init__(self, layer: GroupRSTConv, post: nn.Module, form: FormRule):
+    def __init__(self, layer: GroupRSTConv, post: nn.Module, form: FormRule, rotations: int):
         super().__init__()
         self.post = post  # per-image ops applied to each (r, s) output
         spec = layer.spec
-        rot, nsc, nk = spec.rotations, spec.num_scales, spec.num_funcs
+        rot, nsc, nk = rotations, spec.num_scales, spec.num_funcs  # the first `rotations` of R
         cin, cout, taps = layer.in_channels, layer.out_channels, layer.taps
         a = layer.weight.detach().transpose(1, 2)  # [Cout, T, Cin, K]
         bias = layer.bias.detach() if layer.bias is not None else None
@@ -407,7 +455,7 @@ class _BakedGroupConv(nn.Module):
         self.convs = nn.ModuleList()
         for s, chosen in enumerate(self.forms):
             if chosen == DIRECT:
-                filters = layer.expanded(s).detach().flatten(2, 3)  # [R, Cout, T*Cin, ks, ks]
+                filters = layer.expanded(s)[:rot].detach().flatten(2, 3)  # [R, Cout, T*Cin, ks, ks]
                 per_rotation = nn.ModuleList(_static_conv(f, bias) for f in filters)
             else:
                 basis = layer.windowed_basis(s).detach()  # [K, R, ks, ks]
@@ -443,14 +491,15 @@ class _BakedGroupConv(nn.Module):
 
 
 class _BakedGroupPool(nn.Module):
-    """Max over the group (and space).  x [G*B, C, H, W] -> [B, C] or [B, C, H, W]."""
+    """Max over the group (and space; and the quarter-turned copies of each image, which
+    need the spatial max).  x [G*Q*B, C, H, W] -> [B, C] or [B, C, H, W]."""
 
-    def __init__(self, group: int, spatial: bool):
+    def __init__(self, group: int, spatial: bool, copies: int = 1):
         super().__init__()
-        self.group, self.spatial = group, spatial
+        self.group, self.spatial, self.copies = group, spatial, copies
 
     def forward(self, x: Tensor) -> Tensor:
-        x = x.unflatten(0, (self.group, -1))  # [G, B, C, H, W]
+        x = x.unflatten(0, (self.group * self.copies, -1))  # [G*Q, B, C, H, W]
         return x.amax(dim=(0, 3, 4)) if self.spatial else x.amax(dim=0)
 
 
@@ -490,10 +539,11 @@ def _pointwise(m: _Pointwise) -> nn.Conv2d:
     return _static_conv(conv.weight.detach().flatten(1).unflatten(1, (-1, 1, 1)), conv.bias)
 
 
-def _swap_layers(graph: fx.GraphModule, group: int, form: FormRule) -> None:
+def _swap_layers(graph: fx.GraphModule, group: int, form: FormRule, copies: int = 1) -> None:
     """Replace every RST layer by its group-layout bake. The pooling and what is left of
     the batch norm after a convolution run on each of its (r, s) outputs before they are
-    concatenated (they act per image), so the concatenation moves a quarter of the data."""
+    concatenated (they act per image), so the concatenation moves a quarter of the data.
+    ``copies`` 4: the quarter-turn form (R/4 rotations, four turned copies per image)."""
     for node in list(graph.graph.nodes):
         m = _module(graph, node)
         if isinstance(m, (LiftingRSTConv, GroupRSTConv)):
@@ -513,11 +563,11 @@ def _swap_layers(graph: fx.GraphModule, group: int, form: FormRule) -> None:
                 for dead in reversed(list(_chain(node, last))):
                     graph.graph.erase_node(dead)
             baked = _BakedLifting if isinstance(m, LiftingRSTConv) else _BakedGroupConv
-            new: nn.Module = baked(m, nn.Sequential(*post), form)
+            new: nn.Module = baked(m, nn.Sequential(*post), form, m.spec.rotations // copies)
         elif isinstance(m, RSTMaxPool):
             new = _Pool2x2(m.relu)
         elif isinstance(m, GroupMaxPool):
-            new = _BakedGroupPool(group, m.spatial)
+            new = _BakedGroupPool(group // copies, m.spatial, copies)
         elif isinstance(m, _Pointwise):
             new = _pointwise(m)
         elif isinstance(m, nn.AdaptiveMaxPool2d):

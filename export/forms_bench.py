@@ -6,7 +6,8 @@
 as one static conv per rotation) or BASIS (a conv with the K basis functions, then a 1x1
 mixing conv), by default whichever does fewer multiply-adds (each layer's ``static_form``). This bakes
 the checkpoint with that rule and with fixed rules (DIRECT up to a kernel size, BASIS
-everywhere), exports each, checks each against the default file on the same images, and
+everywhere) and in the quarter-turn form (``bake(quarter_turns=True)``: R/4 rotations on
+four turned copies), exports each, checks each against the default file on the same images, and
 times batch 1 (median of 10) and a sweep's batch of 43 in onnxruntime, ``--rounds`` times
 in alternation.
 """
@@ -46,12 +47,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     model, meta = load_checkpoint(args.checkpoint)
     shape = (meta.in_channels, meta.input_size, meta.input_size)
-    rules = {
-        "fewer multiply-adds (default)": lambda layer, s: layer.static_form(s),
-        "DIRECT up to 5x5": _up_to(5),
-        "DIRECT up to 7x7": _up_to(7),
-        "DIRECT up to 11x11": _up_to(11),
-        "BASIS everywhere": _up_to(0),
+    rules = {  # name -> export_model's keywords
+        "fewer multiply-adds (default)": {},
+        "fewer multiply-adds, quarter turns": {"quarter_turns": True},
+        "DIRECT up to 5x5": {"form": _up_to(5)},
+        "DIRECT up to 7x7": {"form": _up_to(7)},
+        "DIRECT up to 11x11": {"form": _up_to(11)},
+        "BASIS everywhere": {"form": _up_to(0)},
     }
     x = np.random.default_rng(0).random((43, *shape), dtype=np.float32)
     timings: dict[str, list[tuple[float, float]]] = {name: [] for name in rules}
@@ -59,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sessions = {}
         for i, (name, rule) in enumerate(rules.items()):
             path = Path(tmp) / f"form{i}.onnx"
-            export_model(model, path, input_shape=shape, form=rule)
+            export_model(model, path, input_shape=shape, **rule)
             sessions[name] = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         reference = next(iter(sessions.values())).run(None, {"images": x[:4]})[0]
         diffs = {

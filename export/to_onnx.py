@@ -1,7 +1,7 @@
 """Export a checkpoint to one self-contained ONNX file, and check it against the eager model.
 
     python export/to_onnx.py CHECKPOINT [-o OUT.onnx] [--opset N] [--check N]
-                             [--precision fp32|int8|fp16] [--calibration N]
+                             [--precision fp32|int8|fp16] [--calibration N] [--quarter-turns]
 
 The model is baked first (``export.bake``: static convolutions, batch norms folded), so the
 graph holds only standard ops (Conv, Relu, MaxPool, Reshape, ReduceMax, Gemm, ...). Input
@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 import rstmodel
-from export.bake import bake
+from export.bake import bake, check_quarter_turns
 from export.precision import GATE_POINTS, PRECISIONS, convert, gate, record_gate
 from rstmodel.checkpoint import CheckpointMeta, load_checkpoint
 from rstmodel.layers import GroupRSTConv, LiftingRSTConv
@@ -135,14 +135,16 @@ def export_model(
     metadata: Mapping[str, str] | None = None,
     opset: int | None = None,
     form: Any = None,
+    quarter_turns: bool = False,
 ) -> Path:
     """Bake ``model`` and write it to ``path`` as one ONNX file (dynamic batch axis),
     with ``metadata`` as ``metadata_props``. ``input_shape`` is (C, H, W); ``form``: the
-    baking's per-scale form rule (``export.bake.bake``; default its own)."""
+    baking's per-scale form rule, ``quarter_turns`` its quarter-turn form (``export.bake.bake``;
+    default its own rule, no quarter turns)."""
     path = Path(path)
     model = copy.deepcopy(model).float().cpu()
     rule = {} if form is None else {"form": form}
-    baked = bake(model, torch.zeros(1, *input_shape), **rule)
+    baked = bake(model, torch.zeros(1, *input_shape), quarter_turns=quarter_turns, **rule)
     example = torch.zeros(2, *input_shape)
     with tempfile.TemporaryDirectory() as tmp:
         program = torch.onnx.export(
@@ -314,6 +316,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"precision must keep accuracy within {GATE_POINTS} points of float32",
     )
     parser.add_argument(
+        "--quarter-turns",
+        action="store_true",
+        help="the quarter-turn form: R/4 base rotations run on four turned copies of each "
+        "image (same logits, a quarter of the rotation-specific weights; export.bake)",
+    )
+    parser.add_argument(
         "--calibration",
         type=int,
         metavar="N",
@@ -346,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         calibration = (
             data_sample(meta, args.calibration, split="train", **where) if reduced else None
         )
+        if args.quarter_turns:
+            check_quarter_turns(model)
     except (ExportError, OSError, ValueError) as err:  # CheckpointError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         return EXIT_SETUP
@@ -354,7 +364,14 @@ def main(argv: list[str] | None = None) -> int:
     metadata = onnx_metadata(model, meta, file_sha256(args.checkpoint))
     fp32 = out.with_name(f".{out.stem}.fp32.onnx") if reduced else out
     try:
-        export_model(model, fp32, input_shape=shape, metadata=metadata, opset=args.opset)
+        export_model(
+            model,
+            fp32,
+            input_shape=shape,
+            metadata=metadata,
+            opset=args.opset,
+            quarter_turns=args.quarter_turns,
+        )
         if reduced:
             convert(
                 fp32,

@@ -128,6 +128,41 @@ def test_bake_matches_the_model_and_leaves_it_alone(name):
     assert "einsum" not in baked.code
 
 
+@pytest.mark.parametrize("name", ["rst_cnn_fb", "rst_cnn_sl", "rot_cnn", "scale_cnn"])
+def test_quarter_turn_bake_is_the_same_function_with_a_quarter_of_the_rotations(name):
+    """bake(quarter_turns=True): R/4 base rotations on the four turned copies of each image
+    give the model's logits (float64, to round-off), with a quarter of the rotation-specific
+    filters."""
+    model = small_model(name).double()
+    if model.spec.rotations % 4:
+        with pytest.raises(ValueError, match="R not divisible by 4"):
+            bake(model, quarter_turns=True)
+        return
+    train_steps(model)
+    randomize_norms(model)
+    model.eval()
+    plain, turned = bake(model), bake(model, quarter_turns=True)
+    x = torch.randn(3, *input_shape(model), dtype=torch.float64)
+    with torch.no_grad():
+        expected = model(x)
+        got = turned(x)
+    assert (got - expected).abs().max().item() <= 1e-10 * max(expected.abs().max().item(), 1.0)
+    assert got.shape == expected.shape
+    spatial = [
+        sum(m.weight.numel() for m in g.modules() if isinstance(m, nn.Conv2d))
+        for g in (plain, turned)
+    ]
+    assert spatial[1] < spatial[0]
+    assert all(type(m).__module__.startswith("torch.") for m in turned.modules())
+
+
+def test_quarter_turn_bake_is_refused_where_it_would_be_wrong():
+    with pytest.raises(ValueError, match="several rotation taps"):
+        bake(small_model("rst_cnn_plus_fb").eval(), quarter_turns=True)
+    with pytest.raises(ValueError, match="no RST convolution"):
+        bake(small_model("cnn").eval(), quarter_turns=True)
+
+
 def test_bake_folds_positive_norm_scales_and_keeps_the_rest():
     """All-positive scales: no multiplication remains (every scale is folded into a conv or
     the FC layer). Mixed signs: a Mul by the signs remains, and the result still matches."""
@@ -512,3 +547,19 @@ def test_precision_arguments_are_checked(rst_export, tmp_path):
         convert(rst_export[0], tmp_path / "a.onnx", "int4")
     with pytest.raises(SystemExit):
         to_onnx.parse_args([str(rst_export[3]), "--calibration", "0"])
+
+
+def test_quarter_turn_form_exports_and_runs_in_onnxruntime(tmp_path):
+    model = small_model("rst_cnn_fb")
+    train_steps(model)
+    randomize_norms(model)
+    model.eval()
+    path = export_model(
+        model, tmp_path / "q.onnx", input_shape=input_shape(model), quarter_turns=True
+    )
+    assert ops(path) <= ALLOWED_OPS, ops(path) - ALLOWED_OPS
+    x = torch.randn(5, *input_shape(model))
+    with torch.no_grad():
+        expected = model(x).numpy()
+    got = session(path).run(None, {"images": x.numpy()})[0]
+    assert np.abs(got - expected).max() <= 1e-4 * max(np.abs(expected).max(), 1.0)
