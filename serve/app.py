@@ -33,6 +33,7 @@ from typing import Any
 import gradio as gr
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi_offline import FastAPIOffline
 from gradio.utils import get_upload_folder
 
 from rstmodel.data import default_cache_dir
@@ -122,7 +123,8 @@ def build_app(
     limits = limits or Limits()
     folder = Path(samples_dir) if samples_dir else default_cache_dir() / "app" / "samples"
     samples = write_samples(folder)
-    app = FastAPI(
+    # /docs and /redoc from packaged Swagger UI and ReDoc files: they render offline
+    app = FastAPIOffline(
         title="rstcnn",
         version="0.1.0",
         description="Roto-scale-translation equivariant CNNs: classification and prediction "

@@ -118,3 +118,43 @@ def _draw_and_run(page) -> str:
         timeout=60_000,
     )
     return page.inner_text("#status")
+
+
+def test_api_docs_render_offline(server):
+    """/docs (Swagger UI) and /redoc render from the server's own files and show the API's
+    title and its /v1 endpoints. Nothing leaves loopback: the one off-loopback address in
+    them, ReDoc's "powered by" logo, is refused by the page's Content-Security-Policy in the
+    browser, before any connection."""
+    from playwright.sync_api import sync_playwright
+
+    url, _ = server
+    requested: list[str] = []
+    failed: dict[str, str] = {}
+    errors: list[str] = []
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 1366, "height": 900})
+            page.on("request", lambda request: requested.append(request.url))
+            page.on("requestfailed", lambda r: failed.update({r.url: r.failure or ""}))
+            page.on("pageerror", lambda err: errors.append(str(err)))
+            page.goto(url + "/docs", wait_until="load")
+            page.wait_for_selector(".swagger-ui .info .title", timeout=30_000)
+            page.wait_for_selector(".opblock-summary-path", timeout=30_000)
+            title = page.inner_text(".swagger-ui .info .title")
+            paths = page.eval_on_selector_all(
+                ".opblock-summary-path", "els => els.map(e => e.innerText)"
+            )
+            page.screenshot(path=str(artifacts_dir() / "api_docs.png"))
+            page.goto(url + "/redoc", wait_until="networkidle")
+            page.wait_for_selector("h1", timeout=30_000)
+            redoc_title = page.inner_text("h1")
+        finally:
+            browser.close()
+    assert "rstcnn" in title and "rstcnn" in redoc_title
+    assert any("/v1/classify" in p for p in paths) and any("/v1/stability" in p for p in paths)
+    assert not errors, errors
+    outside = [u for u in requested if urlparse(u).hostname not in ("127.0.0.1", None)]
+    outside = [u for u in outside if not u.startswith(("data:", "blob:"))]
+    assert all(failed.get(u) == "csp" for u in outside), (outside, failed)  # refused by the CSP
+    assert len(outside) <= 1  # only ReDoc's logo
