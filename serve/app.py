@@ -180,7 +180,7 @@ def build_ui(
         source = gr.State("upload")
         with gr.Row():
             with gr.Column(scale=2):
-                with gr.Tabs():
+                with gr.Tabs() as tabs:
                     with gr.Tab("Upload", id="upload") as upload_tab:
                         image = gr.Image(
                             label="Image (light object on a dark background)",
@@ -210,11 +210,12 @@ def build_ui(
                     label="Top-k classes",
                 )
                 run = gr.Button("Classify and sweep", variant="primary", elem_id="run")
+                examples = None
                 if samples:
-                    gr.Examples(
+                    examples = gr.Examples(
                         examples=[[str(s.path)] for s in samples],
                         inputs=[image],
-                        label=f"Real test images ({samples[0].source}): click one, then Classify",
+                        label=f"Real test images ({samples[0].source}): click one to classify it",
                         examples_per_page=len(samples),
                     )
             with gr.Column(scale=3):
@@ -257,14 +258,33 @@ def build_ui(
             except Busy as err:
                 raise gr.Error(str(err), title="Busy") from err
 
+        run_inputs = [image, sketch, top_k, invert, source]
+        run_outputs = [status, *labels, summary, plot, gallery]
         run.click(
             analyse,
-            inputs=[image, sketch, top_k, invert, source],
-            outputs=[status, *labels, summary, plot, gallery],
+            inputs=run_inputs,
+            outputs=run_outputs,
             preprocess=False,  # uploads are decoded by serve.uploads, with its limits
             api_name="analyse",
             concurrency_limit=limits.sweeps.running,
+            concurrency_id="sweeps",  # one limit for both ways of running
         )
+        if examples is not None:  # one click: show the image on the Upload tab and run it
+            examples.load_input_event.then(
+                lambda: (gr.Tabs(selected="upload"), "upload"),
+                None,
+                [tabs, source],
+                queue=False,
+                api_visibility="private",
+            ).then(
+                analyse,
+                inputs=run_inputs,
+                outputs=run_outputs,
+                preprocess=False,
+                concurrency_limit=limits.sweeps.running,
+                concurrency_id="sweeps",
+                api_visibility="private",
+            )
     demo.queue(max_size=limits.sweeps.running + limits.sweeps.waiting)
     return demo
 

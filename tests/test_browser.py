@@ -2,8 +2,9 @@
 
 Opens the page served on 127.0.0.1, uploads a real test image, runs it, reads each model's
 predicted label from the page, checks that the stability plot and the thumbnails rendered,
-draws a stroke on the Draw tab and runs that, and checks that every request the page made
-went to 127.0.0.1. The screenshot is left in
+draws a stroke on the Draw tab and runs that, clicks a gallery image with the Draw tab still
+open (one click shows it on the Upload tab and runs it), and checks that every request the
+page made went to 127.0.0.1; opens /docs and /redoc. The screenshot is left in
 ``$RSTCNN_ARTIFACTS`` (default ``tests/artifacts``). Chromium comes from ``scripts/setup.sh``
 (``apt-get install chromium``); Playwright never downloads a browser here.
 """
@@ -51,14 +52,8 @@ def test_page_classifies_an_uploaded_test_image(server, tmp_path):
     assert shutil.which(CHROMIUM), "chromium is missing: run scripts/setup.sh as root"
     url, samples = server
     image = samples[3].path
-    expected = [
-        httpx.post(
-            f"{url}/v1/classify",
-            files={"image": ("x.png", image.read_bytes(), "image/png")},
-            data={"model": name},
-        ).json()["predictions"][0]["label"]
-        for name in ("rst_cnn_fb", "cnn")
-    ]
+    expected = _api_labels(url, image)
+    expected_gallery = _api_labels(url, samples[2].path)
     requested: list[str] = []
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
@@ -86,6 +81,7 @@ def test_page_classifies_an_uploaded_test_image(server, tmp_path):
             summary = page.inner_text("#summary")
             page.screenshot(path=str(artifacts_dir() / "web_app.png"), full_page=True)
             drawn_status = _draw_and_run(page)
+            gallery_labels = _click_gallery_image(page, 2)  # with the Draw tab still open
         finally:
             browser.close()
 
@@ -98,6 +94,33 @@ def test_page_classifies_an_uploaded_test_image(server, tmp_path):
     assert hosts == {"127.0.0.1"}, f"the page fetched from {hosts}"
     assert (artifacts_dir() / "web_app.png").stat().st_size > 10_000
     assert "280x280" in drawn_status and "(inverted)" in drawn_status
+    assert gallery_labels == expected_gallery  # one click ran the gallery image
+
+
+def _api_labels(url: str, image) -> list[str]:
+    return [
+        httpx.post(
+            f"{url}/v1/classify",
+            files={"image": ("x.png", image.read_bytes(), "image/png")},
+            data={"model": name},
+        ).json()["predictions"][0]["label"]
+        for name in ("rst_cnn_fb", "cnn")
+    ]
+
+
+def _click_gallery_image(page, index: int) -> list[str]:
+    """One click on a gallery image: the page shows it on the Upload tab and runs it."""
+    page.locator(".gallery-item").nth(index).click()
+    page.wait_for_function(
+        "document.querySelector('#status').innerText.includes('56x56')"
+        " && document.querySelector('#status').innerText.includes('one batch per model')",
+        timeout=60_000,
+    )
+    selected = page.inner_text("[role=tab][aria-selected=true]").strip()
+    assert selected == "Upload", selected
+    return [
+        page.inner_text(f"#label-{i} [data-testid=label-output-value]").strip() for i in range(2)
+    ]
 
 
 def _draw_and_run(page) -> str:
