@@ -293,3 +293,31 @@ def test_budget_data_sizes(tmp_path, idx_source, monkeypatch):
     data = reproduce.load_data(args, smoke, idx_source)
     assert data.input_size == 32 and len(data.evals["test"]) == smoke.test_size
     assert data.train[0][0].shape == (1, 32, 32)
+
+
+def test_reproduce_plan_order_and_committed_results(tmp_path, idx_source, monkeypatch):
+    """The full protocol's order (no augmentation, larger N_tr, trial by trial, MODELS order);
+    --results keeps finished runs and counts them as done on a later call elsewhere."""
+    full = reproduce.BUDGETS["full"]
+    specs = reproduce.plan(full, ["rst_cnn_fb", "cnn"], [True, False], 2)
+    names = [s.name for s in specs]
+    assert names[:4] == ["cnn-5000-t0", "rst_cnn_fb-5000-t0", "cnn-5000-t1", "rst_cnn_fb-5000-t1"]
+    assert names[4] == "cnn-2000-t0" and names[-1] == "rst_cnn_fb-2000-aug-t1"
+    args = reproduce.parse_args(["--data", "rs-fashion", "--budget", "full"])
+    assert args.results == Path("results/reproduce/rs-fashion-full")
+    with pytest.raises(SystemExit):
+        reproduce.parse_args(["--data", "rs-fashion", "--deadline", "10", "--jobs", "2"])
+    with pytest.raises(SystemExit):
+        reproduce.parse_args(["--data", "rs-fashion", "--budget", "full", "--train-sizes", "64"])
+    # a finished run kept in results/ counts as done from another output folder
+    monkeypatch.setenv("RSTCNN_DATA", str(tmp_path / "cache"))
+    out, kept = tmp_path / "out", tmp_path / "kept"
+    argv = ["--data", "rs-fashion", "--budget", "smoke", "--models", "cnn", "--augment", "no"]
+    argv += ["--data-root", str(idx_source), "--threads", "1", "--results", str(kept)]
+    assert reproduce.main([*argv, "--out", str(out)]) == 0
+    assert (kept / "runs" / "cnn-64-t0" / "summary.json").is_file()
+    assert (kept / "runs" / "cnn-64-t0" / "metrics.jsonl").is_file()
+    assert "| cnn | rs-fashion | 64 |" in (kept / "table.md").read_text()
+    elsewhere = tmp_path / "elsewhere"
+    assert reproduce.main([*argv, "--out", str(elsewhere)]) == 0
+    assert not (elsewhere / "rs-fashion" / "smoke" / "cnn-64-t0").exists()  # not trained again
