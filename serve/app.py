@@ -258,16 +258,37 @@ def build_ui(
             except Busy as err:
                 raise gr.Error(str(err), title="Busy") from err
 
+        def analyse_on_page(
+            picture: Any, drawing: Any, k: float, inverted: bool, tab: str
+        ) -> Iterator[list[Any]]:
+            """``analyse`` for the page: an error clears the old results and stays written
+            where they were (a toast as well), instead of error badges over stale results."""
+            try:
+                yield from analyse(picture, drawing, k, inverted, tab)
+            except gr.Error as err:
+                gr.Warning(err.message, title=err.title)
+                yield [f"**{err.title}:** {err.message}", *[None] * len(labels), "", None, None]
+
         run_inputs = [image, sketch, top_k, invert, source]
         run_outputs = [status, *labels, summary, plot, gallery]
         run.click(
-            analyse,
+            analyse_on_page,
             inputs=run_inputs,
             outputs=run_outputs,
             preprocess=False,  # uploads are decoded by serve.uploads, with its limits
+            api_visibility="private",
+            concurrency_limit=limits.sweeps.running,
+            concurrency_id="sweeps",  # one limit for every way of running
+        )
+        # the same as an API endpoint, where errors stay errors for the client
+        gr.Button(visible=False).click(
+            analyse,
+            inputs=run_inputs,
+            outputs=run_outputs,
+            preprocess=False,
             api_name="analyse",
             concurrency_limit=limits.sweeps.running,
-            concurrency_id="sweeps",  # one limit for both ways of running
+            concurrency_id="sweeps",
         )
         if examples is not None:  # one click: show the image on the Upload tab and run it
             examples.load_input_event.then(
@@ -277,7 +298,7 @@ def build_ui(
                 queue=False,
                 api_visibility="private",
             ).then(
-                analyse,
+                analyse_on_page,
                 inputs=run_inputs,
                 outputs=run_outputs,
                 preprocess=False,

@@ -82,6 +82,7 @@ def test_page_classifies_an_uploaded_test_image(server, tmp_path):
             page.screenshot(path=str(artifacts_dir() / "web_app.png"), full_page=True)
             drawn_status = _draw_and_run(page)
             gallery_labels = _click_gallery_image(page, 2)  # with the Draw tab still open
+            error_page = _run_a_bad_file(page, tmp_path)
         finally:
             browser.close()
 
@@ -95,6 +96,9 @@ def test_page_classifies_an_uploaded_test_image(server, tmp_path):
     assert (artifacts_dir() / "web_app.png").stat().st_size > 10_000
     assert "280x280" in drawn_status and "(inverted)" in drawn_status
     assert gallery_labels == expected_gallery  # one click ran the gallery image
+    status, plots, badges = error_page  # an error clears the old results and stays written
+    assert "This file cannot be classified" in status and "not an image" in status
+    assert plots == 0 and badges == 0
 
 
 def _api_labels(url: str, image) -> list[str]:
@@ -106,6 +110,23 @@ def _api_labels(url: str, image) -> list[str]:
         ).json()["predictions"][0]["label"]
         for name in ("rst_cnn_fb", "cnn")
     ]
+
+
+def _run_a_bad_file(page, tmp_path) -> tuple[str, int, int]:
+    """Run a file that is not an image after a result is shown: the status line, how many
+    plot images and how many "Error" badges the page then shows."""
+    bad = tmp_path / "not-an-image.png"
+    bad.write_bytes(b"this is text, not a picture")
+    page.set_input_files("#input-image input[type=file]", str(bad))
+    page.wait_for_timeout(500)
+    page.click("#run")
+    page.wait_for_function(
+        "document.querySelector('#status').innerText.includes('cannot be classified')",
+        timeout=30_000,
+    )
+    plots = page.eval_on_selector_all("#stability-plot img", "imgs => imgs.length")
+    badges = page.locator("text=/^Error$/").count()
+    return page.inner_text("#status"), plots, badges
 
 
 def _click_gallery_image(page, index: int) -> list[str]:
