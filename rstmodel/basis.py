@@ -27,7 +27,7 @@ Pixel coordinates: ``u = (x, y)`` with x to the right and y up, origin at the ke
 centre; row ``i`` and column ``j`` of a ``k x k`` kernel sit at
 ``x = j - (k - 1) / 2``, ``y = (k - 1) / 2 - i``.
 
-A third family reproduces the public code's basis (DESIGN section 3) for like-for-like
+A third family reproduces the public code's basis (``reference_spec``) for like-for-like
 comparison with published numbers; it is not the paper's construction.
 """
 
@@ -71,7 +71,7 @@ class Mode:
     eigenvalue: float  # mu: -Laplacian eigenvalue on the unit domain
 
 
-# Public code's reference basis (DESIGN section 3).
+# The paper's public code's reference basis (15 FB modes at 4 dilations).
 _REF_MODES_PER_DILATION = 15
 _REF_DILATIONS = 4
 _REF_DILATION_FACTOR = 1.5

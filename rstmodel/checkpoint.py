@@ -1,4 +1,4 @@
-"""Checkpoints: data, not code (DESIGN section 8).
+"""Checkpoints: data, not code (no pickled classes or code are loaded).
 
 A checkpoint is one ``torch.save`` file holding a dict of tensors and plain Python values
 only (str, int, float, bool, None, and lists, tuples and dicts of them), so it loads with

@@ -87,7 +87,7 @@ apt_install() {  # PACKAGE PRESENT-TEST WHAT-NEEDS-IT
     fi
 }
 
-# Fashion-MNIST IDX files in /usr/share/datasets/fashion-mnist (DESIGN section 5)
+# Fashion-MNIST IDX files in /usr/share/datasets/fashion-mnist (Debian dataset-fashion-mnist)
 apt_install dataset-fashion-mnist "[[ -d /usr/share/datasets/fashion-mnist ]]" \
     "RS-Fashion and its real-data tests"
 # headless browser for the web app's browser test (driven by pip playwright; never

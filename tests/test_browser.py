@@ -22,7 +22,7 @@ from serve.app import build_app
 from serve.stability import SweepSpec
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-FLAGS = [  # DESIGN.md section 7: what works on these machines
+FLAGS = [  # what headless Chromium needs on these machines (no GPU, no sandbox, no network)
     "--headless",
     "--no-sandbox",
     "--disable-gpu",

@@ -1410,5 +1410,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if "WORLD_SIZE" not in os.environ:  # not under torchrun, whose agent watches this process
-        use_retaining_allocator()  # RSTCNN_ALLOCATOR: re-exec once with a retaining heap (DESIGN section 6)
+        use_retaining_allocator()  # RSTCNN_ALLOCATOR: re-exec once (rstmodel.runtime)
     sys.exit(main())
