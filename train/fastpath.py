@@ -17,7 +17,6 @@ last line (``FLAGS: ...``), which scripts/gpu_session.sh passes on.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import statistics
 import sys
@@ -33,7 +32,7 @@ if __package__ in (None, ""):
 
 from rstmodel import create_model
 from rstmodel.layers import ConvMethod
-from train.run import use_tf32
+from train.run import parse_model_arg, use_tf32
 
 
 @dataclass(frozen=True)
@@ -207,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--model-arg",
         dest="model_args",
+        type=parse_model_arg,
         action="append",
         default=[],
         metavar="KEY=VALUE",
@@ -215,10 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="also time torch.compile")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    pairs = [item.split("=", 1) for item in args.model_args]
-    if any(len(p) != 2 for p in pairs):
-        parser.error("--model-arg takes KEY=VALUE")
-    args.model_args = {k: ast.literal_eval(v) for k, v in pairs}
+    args.model_args = dict(args.model_args)
     if args.steps < 1 or args.batch < 1:
         parser.error("--steps and --batch must be positive")
     rows = run_grid(args)

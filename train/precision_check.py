@@ -32,7 +32,7 @@ from rstmodel.checkpoint import CheckpointError
 from rstmodel.data import SourceNotFoundError
 from rstmodel.precision import bf16_supported, inference
 from rstmodel.runtime import use_retaining_allocator
-from train.resampling import test_images
+from train.resampling import rs_run, test_images
 
 
 def logits_of(
@@ -56,10 +56,7 @@ def check(
 ) -> dict:
     device = torch.device(device)
     model, meta = load_checkpoint(path, map_location=device)
-    run = meta.extra.get("run", {})
-    if not str(run.get("data", "")).startswith("rs-"):
-        raise SystemExit(f"{path}: not trained on RS data (run settings: {run or 'none'})")
-    images, labels = test_images(run, "bicubic", limit, data_root)
+    images, labels = test_images(rs_run(path, meta), "bicubic", limit, data_root)
     x = v2.Normalize(meta.mean, meta.std)(torch.from_numpy(images[:, None]).float() / 255)
     exact, t32 = logits_of(model, x, "fp32", device, batch)
     half, t16 = logits_of(model, x, "bf16", device, batch)

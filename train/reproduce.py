@@ -277,11 +277,11 @@ def run_cost(spec: RunSpec, budget: Budget) -> float:
 
 def finished(root: Path, spec: RunSpec, results: Path | None = None) -> dict[str, Any] | None:
     """The run's summary, from its folder or from the committed results (``keep``)."""
-    for path in (
-        root / spec.name / "summary.json",
-        results and results / "runs" / spec.name / "summary.json",
-    ):
-        if path and path.is_file():
+    paths = [root / spec.name / "summary.json"]
+    if results is not None:
+        paths.append(results / "runs" / spec.name / "summary.json")
+    for path in paths:
+        if path.is_file():
             return json.loads(path.read_text(encoding="utf-8"))
     return None
 

@@ -40,6 +40,15 @@ from rstmodel.data import (
 )
 
 
+def rs_run(path: Path, meta) -> dict:
+    """The run settings of a checkpoint trained on RS data (realisation, N_tr, validation
+    size: what fixes its test split); exits with a message for any other checkpoint."""
+    run = meta.extra.get("run", {})
+    if not str(run.get("data", "")).startswith("rs-"):
+        raise SystemExit(f"{path}: not trained on RS data (run settings: {run or 'none'})")
+    return run
+
+
 def test_images(run: dict, resampling: str, limit: int | None, data_root: Path | None):
     """uint8 [n, 56, 56] and labels of the run's test split, rendered by ``resampling``."""
     config = RSConfig(run["data"], realisation=run["realization"], resampling=resampling)
@@ -70,9 +79,7 @@ def measure(
     rows = []
     for path in paths:
         model, meta = load_checkpoint(path, map_location=device)
-        run = meta.extra.get("run", {})
-        if not str(run.get("data", "")).startswith("rs-"):
-            raise SystemExit(f"{path}: not trained on RS data (run settings: {run or 'none'})")
+        run = rs_run(path, meta)
         row = {"checkpoint": str(path), "model": meta.model_name}
         for name in pipelines:
             images, labels = test_images(run, name, limit, data_root)

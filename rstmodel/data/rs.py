@@ -221,23 +221,28 @@ def _to_uint8(pixels: np.ndarray) -> np.ndarray:
 
 
 def _shrink_turn_upsize(
-    image: np.ndarray, angle: float, scale: float, out_size: int, mode: str, kernel: int
+    image: np.ndarray,
+    angle: float,
+    scale: float,
+    out_size: int,
+    mode: str,
+    resize: int,
+    turn: int,
 ) -> np.ndarray:
     """Pillow's own geometry: an antialiased resize to round(scale * side) pixels, pasted at
     the whole-pixel centre of a black canvas of the original size (half a source pixel up and
     left when the sizes differ by an odd count, as a simple pipeline does), ``Image.rotate``
     about the canvas centre, then an upsize; mode ``"F"`` keeps float32 between steps, ``"L"``
-    rounds to uint8."""
+    rounds to uint8. ``resize`` and ``turn`` are the Pillow kernels of the resizes and the
+    rotation (``Image.rotate`` has no Lanczos)."""
     side = image.shape[0]
     small = max(1, round(side * float(scale)))
     plane = Image.fromarray(np.asarray(image, dtype=np.float32 if mode == "F" else np.uint8))
     canvas = Image.new(mode, (side, side), 0)
     corner = (side - small) // 2
-    canvas.paste(plane.resize((small, small), kernel), (corner, corner))
-    turned = canvas.rotate(
-        math.degrees(angle), resample=kernel if kernel != Image.LANCZOS else Image.BICUBIC
-    )
-    return _to_uint8(np.asarray(turned.resize((out_size, out_size), kernel), dtype=np.float32))
+    canvas.paste(plane.resize((small, small), resize), (corner, corner))
+    turned = canvas.rotate(math.degrees(angle), resample=turn)
+    return _to_uint8(np.asarray(turned.resize((out_size, out_size), resize), dtype=np.float32))
 
 
 def rotate_scale_upsize(
@@ -261,8 +266,12 @@ RESAMPLINGS = {
     "bicubic-uint8": lambda im, a, s, n: _affine_upsize(
         im, a, s, n, InterpolationMode.BICUBIC, True
     ),
-    "antialiased": lambda im, a, s, n: _shrink_turn_upsize(im, a, s, n, "F", Image.BILINEAR),
-    "pillow": lambda im, a, s, n: _shrink_turn_upsize(im, a, s, n, "L", Image.LANCZOS),
+    "antialiased": lambda im, a, s, n: _shrink_turn_upsize(
+        im, a, s, n, "F", Image.BILINEAR, Image.BILINEAR
+    ),
+    "pillow": lambda im, a, s, n: _shrink_turn_upsize(
+        im, a, s, n, "L", Image.LANCZOS, Image.BICUBIC
+    ),
 }
 # augmentation draws from these; "pillow" (Lanczos, uint8 between steps) stays held out
 TRAIN_RESAMPLINGS = ("bicubic", "bilinear", "bicubic-uint8", "antialiased")
