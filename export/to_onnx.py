@@ -311,8 +311,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--precision",
         choices=PRECISIONS,
         default="fp32",
-        help="fp32 (default); int8: static quantization (QDQ, per-channel weights) "
-        "calibrated on training images; fp16: for GPUs / TensorRT. With --check, a reduced "
+        help="fp32 (default); int8: static quantization (QDQ, per-channel weights) of the "
+        "multi-channel convolutions, calibrated on training images; fp16: for GPUs / TensorRT. With --check, a reduced "
         f"precision must keep accuracy within {GATE_POINTS} points of float32",
     )
     parser.add_argument(

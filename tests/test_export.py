@@ -502,6 +502,32 @@ def real_test_images(tmp_path_factory):
     return ((images[:, None].astype(np.float32) / 255 - 0.5) / 0.5).astype(np.float32), labels
 
 
+def _check_int8_layout(model: onnx.ModelProto) -> None:
+    """int8 where it is faster, one activation grid per layer: the multi-channel convs
+    (the 1x1 mixing) read int8 weights, the single-channel basis banks keep float weights,
+    and the convs of one layer (same weight and input shapes: its rotation and scale
+    branches) read their inputs on one (scale, zero point)."""
+    values = {i.name: onnx.numpy_helper.to_array(i) for i in model.graph.initializer}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    grids: dict[str, set] = {}
+    quantized = banks = 0
+    for node in (n for n in model.graph.node if n.op_type == "Conv"):
+        weight = producer.get(node.input[1])
+        if weight is None:  # a float initializer
+            assert values[node.input[1]].shape[1] == 1, "a multi-channel conv stayed float"
+            banks += 1
+            continue
+        assert weight.op_type == "DequantizeLinear" and values[weight.input[0]].dtype == np.int8
+        assert values[weight.input[0]].shape[1] > 1
+        grid = producer[node.input[0]]  # the input's DequantizeLinear
+        assert grid.op_type == "DequantizeLinear"
+        key = (float(values[grid.input[1]]), int(values[grid.input[2]]))
+        grids.setdefault(values[weight.input[0]].shape, set()).add(key)
+        quantized += 1
+    assert quantized > len(grids) and banks > 0  # branches share a grid; banks stay float
+    assert all(len(g) == 1 for g in grids.values()), grids
+
+
 @pytest.mark.parametrize("precision", ["int8", "fp16"])
 def test_reduced_precision_runs_in_the_classifier_and_is_gated(
     rst_export, real_test_images, tmp_path, precision
@@ -522,6 +548,7 @@ def test_reduced_precision_runs_in_the_classifier_and_is_gated(
     if precision == "int8":
         assert {"QuantizeLinear", "DequantizeLinear"} <= kinds
         assert json.loads(meta["rstcnn.calibration"])["images"] == 8
+        _check_int8_layout(onnx.load(out))
     else:
         assert "Cast" in kinds and "rstcnn.calibration" not in meta
     clf = Classifier.from_onnx(out, threads=1)
