@@ -140,6 +140,10 @@ class ModelStabilityOut(BaseModel):
     score: float
     stability: float = Field(description="rotation agreement")
     sweeps: dict[str, SweepOut]
+    changes: dict[str, str] = Field(
+        description="per sweep, where the top-1 label differs, in words "
+        '(e.g. "Dress at 150 deg, Trouser at 285-300 deg")'
+    )
 
 
 class StabilityResponse(BaseModel):

@@ -381,10 +381,21 @@ def _summary(report: StabilityReport, names: dict[str, str]) -> str:
         kept = [f"{m.sweeps[s].agreement:.0%}" for s in ("rotation", "scale", "deformation")]
         rows.append(f"| {names[m.model]} | **{m.label}** | {m.score:.2f} | {' | '.join(kept)} |")
     headline = ", ".join(f"{names[m.model]} **{m.stability:.0%}**" for m in report.models)
+    turned = "; ".join(
+        f"{names[m.model]}: {m.sweeps['rotation'].changes(m.label)}" for m in report.models
+    )
     return (
         f"**Stability** (share of the 0-360 degree rotation sweep whose top-1 label is "
-        f"unchanged): {headline}\n\n" + "\n".join(rows) + "\n\nColumns rotation / scale / "
-        "deformation: share of each sweep with the unchanged top-1 label."
+        f"unchanged): {headline}\n\n**Turned:** {turned}\n\n"
+        + "\n".join(rows)
+        + "\n\n"
+        + "\n".join(
+            f"- {names[m.model]}: rescaled, {m.sweeps['scale'].changes(m.label)}; deformed, "
+            f"{m.sweeps['deformation'].changes(m.label)}"
+            for m in report.models
+        )
+        + "\n\nColumns rotation / scale / deformation: share of each sweep with the unchanged "
+        "top-1 label."
     )
 
 

@@ -169,6 +169,33 @@ class SweepResult:
     def unit(self) -> str:
         return UNITS[self.name]
 
+    def changes(self, label: str) -> str:
+        """Where along the sweep the top-1 differs from ``label``, in words: runs of
+        neighbouring steps with the same other label, e.g. "Dress at 150 deg, Trouser at
+        285-300 deg", or "Sandal at all 24 angles" when it never changes."""
+        if all(t == label for t in self.top1):
+            noun = {"rotation": "angles", "scale": "scales", "deformation": "strengths"}
+            return f"{label} at all {len(self.top1)} {noun.get(self.name, 'steps')}"
+        runs: dict[str, list[str]] = {}
+        i = 0
+        while i < len(self.top1):
+            j = i
+            while j + 1 < len(self.top1) and self.top1[j + 1] == self.top1[i]:
+                j += 1
+            if self.top1[i] != label:
+                runs.setdefault(self.top1[i], []).append(self._span(i, j))
+            i = j + 1
+        return ", ".join(f"{other} at {', '.join(where)}" for other, where in runs.items())
+
+    def _span(self, i: int, j: int) -> str:
+        """Steps i..j as text: "150 deg", "285-300 deg", "x0.2-x0.33", "0.12-0.2"."""
+        if self.name == "rotation":
+            a, b = (f"{float(self.values[k]):g}" for k in (i, j))
+            return f"{a} deg" if i == j else f"{a}-{b} deg"
+        form = "x{:.2g}" if self.name == "scale" else "{:.2g}"
+        a, b = (form.format(float(self.values[k])) for k in (i, j))
+        return a if i == j else f"{a}-{b}"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "unit": self.unit,
@@ -203,6 +230,8 @@ class ModelStability:
             "score": round(self.score, 6),
             "stability": round(self.stability, 6),
             "sweeps": {name: result.to_dict() for name, result in self.sweeps.items()},
+            # where the top-1 label differs, in words ("Dress at 150 deg, ...")
+            "changes": {name: result.changes(self.label) for name, result in self.sweeps.items()},
         }
 
 

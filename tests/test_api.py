@@ -214,6 +214,12 @@ def test_stability_runs_one_batch_per_model(client, counted, samples):
         assert rotation["values"] == pytest.approx(np.arange(8) * 45)
         assert rotation["unit"] == "degrees"
         assert entry["stability"] == rotation["agreement"]
+        assert set(entry["changes"]) == set(entry["sweeps"])
+        if rotation["agreement"] == 1:
+            assert entry["changes"]["rotation"] == f"{entry['label']} at all 8 angles"
+        else:  # each other label the sweep found is named with its angles
+            for label in set(rotation["top1"]) - {entry["label"]}:
+                assert f"{label} at " in entry["changes"]["rotation"]
         for sweep in entry["sweeps"].values():
             assert 0 <= min(sweep["probability"]) <= max(sweep["probability"]) <= 1
             agree = np.mean([label == entry["label"] for label in sweep["top1"]])
@@ -294,3 +300,25 @@ def test_gallery_images_are_answered_from_sweeps_made_at_start_up(counted, sampl
         )
     )
     assert "swept at start-up" in steps[-1][0]
+
+
+def test_changes_name_each_other_label_with_its_runs_of_steps():
+    from serve.stability import SweepResult
+
+    angles = np.arange(24) * 15.0
+    top1 = ["Sandal"] * 10 + ["Dress"] + ["Sandal"] * 8 + ["Trouser"] * 2 + ["Sandal"] * 3
+    turned = SweepResult("rotation", angles, np.zeros(24), top1, 0.875)
+    assert turned.changes("Sandal") == "Dress at 150 deg, Trouser at 285-300 deg"
+    assert turned.changes("Dress") == "Sandal at 0-135 deg, 165-270 deg, 315-345 deg, " + (
+        "Trouser at 285-300 deg"
+    )
+    steady = SweepResult("rotation", angles, np.zeros(24), ["Sandal"] * 24, 1.0)
+    assert steady.changes("Sandal") == "Sandal at all 24 angles"
+    scales = SweepResult(
+        "scale", np.array([0.2, 0.33, 0.6, 1.0]), np.zeros(4), ["Bag"] * 2 + ["Coat"] * 2, 0.5
+    )
+    assert scales.changes("Coat") == "Bag at x0.2-x0.33"
+    bent = SweepResult(
+        "deformation", np.linspace(0, 0.2, 6), np.zeros(6), ["Coat"] * 5 + ["Bag"], 0.8
+    )
+    assert bent.changes("Coat") == "Bag at 0.2"

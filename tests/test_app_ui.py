@@ -63,6 +63,9 @@ def test_ui_classifies_a_real_test_image(client, server, samples):
     assert len(cnn["confidences"]) == 3
     assert f"x {SPEC.batch_size} images, one batch per model" in status
     assert "RST-CNN(FB)" in summary and "CNN" in summary and rst["label"] in summary
+    swept = httpx.post(server + "/v1/stability", files={"image": ("x.png", path.read_bytes())})
+    for entry in swept.json()["models"]:  # the page names the same label changes as the API
+        assert entry["changes"]["rotation"] in summary
     assert plot["type"] == "matplotlib" and plot["plot"].startswith("data:image/png;base64,")
     assert len(thumbs) == 6 + 6 + 4  # up to 6 per sweep
     first = Image.open(thumbs[0]["image"])

@@ -54,6 +54,8 @@ def test_page_classifies_an_uploaded_test_image(server, tmp_path):
     image = samples[3].path
     expected = _api_labels(url, image)
     expected_gallery = _api_labels(url, samples[2].path)
+    swept = httpx.post(f"{url}/v1/stability", files={"image": ("x.png", image.read_bytes())})
+    changes = [m["changes"]["rotation"] for m in swept.json()["models"]]
     requested: list[str] = []
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
@@ -91,6 +93,7 @@ def test_page_classifies_an_uploaded_test_image(server, tmp_path):
     assert thumbs >= 18
     assert f"x {SPEC.batch_size} images, one batch per model" in status
     assert "Stability" in summary and expected[0] in summary
+    assert all(sentence in summary for sentence in changes), (changes, summary)
     hosts = {urlparse(u).hostname for u in requested if not u.startswith(("data:", "blob:"))}
     assert hosts == {"127.0.0.1"}, f"the page fetched from {hosts}"
     assert (artifacts_dir() / "web_app.png").stat().st_size > 10_000
