@@ -208,6 +208,7 @@ def build_ui(
                     value=min(3, len(default.class_names)),
                     step=1,
                     label="Top-k classes",
+                    elem_id="top-k",
                 )
                 run = gr.Button("Classify and sweep", variant="primary", elem_id="run")
                 examples = None
@@ -258,23 +259,44 @@ def build_ui(
             except Busy as err:
                 raise gr.Error(str(err), title="Busy") from err
 
+        classes = len(default.class_names)
+
         def analyse_on_page(
             picture: Any, drawing: Any, k: float, inverted: bool, tab: str
         ) -> Iterator[list[Any]]:
-            """``analyse`` for the page: an error clears the old results and stays written
-            where they were (a toast as well), instead of error badges over stale results."""
+            """``analyse`` for the page: every class's probability is kept in ``scores``
+            and each label shows the top k, so moving the slider re-ranks without a rerun
+            (``show_top``); the button is busy while it runs; an error clears the old
+            results and stays written where they were (a toast as well), instead of error
+            badges over stale results."""
+            busy, idle = gr.Button(interactive=False), gr.Button(interactive=True)
             try:
-                yield from analyse(picture, drawing, k, inverted, tab)
+                for status_, *found, summary_, plot_, gallery_ in analyse(
+                    picture, drawing, classes, inverted, tab
+                ):
+                    yield [status_, *_top(found, k), summary_, plot_, gallery_, busy, found]
             except gr.Error as err:
                 gr.Warning(err.message, title=err.title)
-                yield [f"**{err.title}:** {err.message}", *[None] * len(labels), "", None, None]
+                failed = f"**{err.title}:** {err.message}"
+                yield [failed, *[None] * len(labels), "", None, None, idle, None]
+                return
+            yield [gr.skip()] * (len(labels) + 4) + [idle, gr.skip()]
 
+        def _top(found: Sequence[dict[str, float]], k: float) -> list[dict[str, float]]:
+            return [dict(sorted(f.items(), key=lambda kv: -kv[1])[: int(k)]) for f in found]
+
+        def show_top(k: float, found: list[dict[str, float]] | None) -> list[Any]:
+            return [gr.skip()] * len(labels) if not found else _top(found, k)
+
+        scores = gr.State(None)
+        top_k.change(show_top, [top_k, scores], labels, queue=False, api_visibility="private")
         run_inputs = [image, sketch, top_k, invert, source]
         run_outputs = [status, *labels, summary, plot, gallery]
+        page_outputs = [*run_outputs, run, scores]
         run.click(
             analyse_on_page,
             inputs=run_inputs,
-            outputs=run_outputs,
+            outputs=page_outputs,
             preprocess=False,  # uploads are decoded by serve.uploads, with its limits
             api_visibility="private",
             concurrency_limit=limits.sweeps.running,
@@ -300,7 +322,7 @@ def build_ui(
             ).then(
                 analyse_on_page,
                 inputs=run_inputs,
-                outputs=run_outputs,
+                outputs=page_outputs,
                 preprocess=False,
                 concurrency_limit=limits.sweeps.running,
                 concurrency_id="sweeps",
@@ -358,14 +380,37 @@ def _analyse(
         when = "a gallery image: swept at start-up"
     else:
         with limits.sweeps.enter() if limits is not None else contextlib.nullcontext():
-            report = measure_stability(
-                [clf for _, clf in models], pixels, spec=spec, names=models.names
-            )
+            done: list[StabilityReport] = []
+            for name, clf in models:  # one batch per model; show each as it lands
+                if done:
+                    yield [
+                        f"{described}; {models.display[done[-1].models[0].model]} swept "
+                        f"({time.perf_counter() - start:.1f} s), now {models.display[name]}...",
+                        *labels,
+                        *_results(done, models),
+                    ]
+                done.append(measure_stability([clf], pixels, spec=spec, names=[name]))
+            report = _merged(done)
         when = f"in {time.perf_counter() - start:.1f} s"
     yield [
         f"{described}; {len(models)} models x {spec.batch_size} images, one batch per model, "
         f"{when}.",
         *labels,
+        *_results([report], models),
+    ]
+
+
+def _merged(reports: Sequence[StabilityReport]) -> StabilityReport:
+    """One report of several, each on its own models (the first one's sweep inputs)."""
+    return StabilityReport(
+        reports[0].spec, [m for r in reports for m in r.models], reports[0].sweeps
+    )
+
+
+def _results(reports: Sequence[StabilityReport], models: ModelSet) -> list[Any]:
+    """Summary, plot and thumbnails of the models swept so far."""
+    report = _merged(reports)
+    return [
         _summary(report, models.display),
         plot_report(report, display_names=models.display),
         thumbnails(report),

@@ -134,7 +134,13 @@ def test_drawing_is_inverted_and_flattened_on_white(tmp_path, samples, tmp_path_
             models, SPEC, None, {"composite": {"path": str(drawing)}}, 3, False, "draw", [tmp_path]
         )
     )
-    assert len(steps) == 2 and "(inverted)" in steps[-1][0]
+    # labels first, then each model's sweeps as they land: the first model's while the
+    # second runs, then all
+    assert len(steps) == 1 + len(models) and "(inverted)" in steps[-1][0]
+    first, second = (models.display[name] for name in models.names)
+    assert f"{first} swept" in steps[1][0] and f"now {second}" in steps[1][0]
+    assert first in steps[1][3] and f"{second}:" not in steps[1][3]  # its summary only
+    assert f"{second}:" in steps[-1][3]
     expected = models.get("cnn").predict(pixels, top_k=3)[0]
     assert steps[-1][2] == pytest.approx({p.label: p.score for p in expected}, abs=2e-3)
     with pytest.raises(gr.Error, match="Draw something first"):

@@ -67,7 +67,12 @@ def test_page_classifies_an_uploaded_test_image(server, tmp_path):
             page.set_input_files("#input-image input[type=file]", str(image))
             page.wait_for_selector("#input-image img", timeout=30_000)
             page.click("#run")
-            page.wait_for_selector("#stability-plot img", timeout=60_000)
+            page.wait_for_function("document.querySelector('#run').disabled", timeout=10_000)
+            page.wait_for_selector("#stability-plot img", timeout=60_000)  # the first model's
+            page.wait_for_function(
+                "document.querySelector('#status').innerText.includes('one batch per model')",
+                timeout=60_000,
+            )
             page.wait_for_function(
                 "document.querySelectorAll('#sweep-gallery img').length >= 18", timeout=30_000
             )
@@ -82,6 +87,8 @@ def test_page_classifies_an_uploaded_test_image(server, tmp_path):
             status = page.inner_text("#status")
             summary = page.inner_text("#summary")
             page.screenshot(path=str(artifacts_dir() / "web_app.png"), full_page=True)
+            page.wait_for_function("!document.querySelector('#run').disabled", timeout=10_000)
+            re_ranked = _re_rank(page)
             drawn_status = _draw_and_run(page)
             gallery_labels = _click_gallery_image(page, 2)  # with the Draw tab still open
             error_page = _run_a_bad_file(page, tmp_path)
@@ -97,6 +104,8 @@ def test_page_classifies_an_uploaded_test_image(server, tmp_path):
     hosts = {urlparse(u).hostname for u in requested if not u.startswith(("data:", "blob:"))}
     assert hosts == {"127.0.0.1"}, f"the page fetched from {hosts}"
     assert (artifacts_dir() / "web_app.png").stat().st_size > 10_000
+    rows, k, same_status = re_ranked  # the slider re-ranks the labels without a new sweep
+    assert rows == [k, k] and k > 3 and same_status
     assert "280x280" in drawn_status and "(inverted)" in drawn_status
     assert gallery_labels == expected_gallery  # one click ran the gallery image
     status, plots, badges = error_page  # an error clears the old results and stays written
@@ -130,6 +139,20 @@ def _run_a_bad_file(page, tmp_path) -> tuple[str, int, int]:
     plots = page.eval_on_selector_all("#stability-plot img", "imgs => imgs.length")
     badges = page.locator("text=/^Error$/").count()
     return page.inner_text("#status"), plots, badges
+
+
+def _re_rank(page) -> tuple[list[int], int, bool]:
+    """Move the top-k slider: each label's rows, the new k, and whether the status line
+    (which names each sweep's run time) stayed as it was."""
+    status = page.inner_text("#status")
+    box = page.locator("#top-k input[type=range]").bounding_box()
+    page.mouse.click(box["x"] + 0.6 * box["width"], box["y"] + box["height"] / 2)
+    k = int(page.input_value("#top-k input[type=number]"))
+    page.wait_for_function(
+        f"document.querySelectorAll('#label-0 .confidence-set').length == {k}", timeout=10_000
+    )
+    rows = [page.locator(f"#label-{i} .confidence-set").count() for i in range(2)]
+    return rows, k, page.inner_text("#status") == status
 
 
 def _click_gallery_image(page, index: int) -> list[str]:
