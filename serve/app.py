@@ -155,12 +155,17 @@ def build_app(
         footer_links=["api"],
         show_error=True,
         theme=gr.themes.Default(),  # local fonts only
+        css=PAGE_CSS,
     )
     # Gradio checks the files named in an event's payload (only those its upload
     # component wrote are taken, before anything opens them) once it counts as launched,
     # which mounting alone does not set. The event reads through read_uploaded as well.
     blocks.has_launched = True
     return app
+
+
+# the gallery's 56x56 test images drawn with square pixels, as the model sees them
+PAGE_CSS = "#samples img { image-rendering: pixelated; }"
 
 
 def build_ui(
@@ -211,13 +216,18 @@ def build_ui(
                     elem_id="top-k",
                 )
                 run = gr.Button("Classify and sweep", variant="primary", elem_id="run")
-                examples = None
-                if samples:
-                    examples = gr.Examples(
-                        examples=[[str(s.path)] for s in samples],
-                        inputs=[image],
-                        label=f"Real test images ({samples[0].source}): click one to classify it",
-                        examples_per_page=len(samples),
+                picks = None
+                if samples:  # the test images as the model sees them, true class below each
+                    picks = gr.Gallery(
+                        value=[(str(s.path), _class_name(default, s.label)) for s in samples],
+                        label=f"Real test images ({samples[0].source}) with their true class: "
+                        "click one to classify it",
+                        columns=6,
+                        height="auto",
+                        allow_preview=False,
+                        interactive=False,
+                        object_fit="contain",
+                        elem_id="samples",
                     )
             with gr.Column(scale=3):
                 status = gr.Markdown(elem_id="status")
@@ -312,13 +322,13 @@ def build_ui(
             concurrency_limit=limits.sweeps.running,
             concurrency_id="sweeps",
         )
-        if examples is not None:  # one click: show the image on the Upload tab and run it
-            examples.load_input_event.then(
-                lambda: (gr.Tabs(selected="upload"), "upload"),
-                None,
-                [tabs, source],
-                queue=False,
-                api_visibility="private",
+        if picks is not None:  # one click: show the image on the Upload tab and run it
+
+            def pick(event: gr.SelectData) -> tuple[Any, Any, str]:
+                return str(samples[event.index].path), gr.Tabs(selected="upload"), "upload"
+
+            picks.select(
+                pick, None, [image, tabs, source], queue=False, api_visibility="private"
             ).then(
                 analyse_on_page,
                 inputs=run_inputs,
@@ -415,6 +425,11 @@ def _results(reports: Sequence[StabilityReport], models: ModelSet) -> list[Any]:
         plot_report(report, display_names=models.display),
         thumbnails(report),
     ]
+
+
+def _class_name(clf: Any, index: int) -> str:
+    names = clf.class_names
+    return names[index] if 0 <= index < len(names) else f"class {index}"
 
 
 def _summary(report: StabilityReport, names: dict[str, str]) -> str:

@@ -157,7 +157,7 @@ def _re_rank(page) -> tuple[list[int], int, bool]:
 
 def _click_gallery_image(page, index: int) -> list[str]:
     """One click on a gallery image: the page shows it on the Upload tab and runs it."""
-    page.locator(".gallery-item").nth(index).click()
+    page.locator("#samples button.thumbnail-item").nth(index).click()
     page.wait_for_function(
         "document.querySelector('#status').innerText.includes('56x56')"
         " && document.querySelector('#status').innerText.includes('one batch per model')",
