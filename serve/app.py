@@ -181,7 +181,9 @@ def build_ui(
     files in ``folders`` (Gradio's upload folder and the gallery's)."""
     default = models.get(None)
     with gr.Blocks(title="RST-CNN: prediction stability", analytics_enabled=False) as demo:
-        gr.Markdown(_intro(models, spec))
+        gr.Markdown(_intro(models), elem_id="intro")
+        with gr.Accordion("Details: the models, the sweeps and their limits", open=False):
+            gr.Markdown(_details(models, spec), elem_id="details")
         source = gr.State("upload")
         with gr.Row():
             with gr.Column(scale=2):
@@ -372,6 +374,11 @@ def _analyse(
         f"**Input** {width}x{height} {'grey' if pixels.ndim == 2 else 'colour'}"
         f"{' (inverted)' if invert or drawn else ''}, resized for each model"
     )
+    if not (invert or drawn) and _light_border(pixels):
+        described = (
+            "**The background looks light**: the models expect a light object on a dark "
+            "background; tick *Invert* if yours is dark on light. " + described
+        )
     try:
         top = [clf.predict(pixels, top_k=top_k)[0] for _, clf in models]
     except ValueError as err:
@@ -408,6 +415,14 @@ def _analyse(
         *labels,
         *_results([report], models),
     ]
+
+
+def _light_border(pixels: Any) -> bool:
+    """Whether the image's outermost rows and columns are mostly light (mean over 0.5)."""
+    grey = pixels.mean(axis=-1) if pixels.ndim == 3 else pixels
+    edge = max(1, min(grey.shape) // 16)
+    border = [grey[:edge], grey[-edge:], grey[:, :edge], grey[:, -edge:]]
+    return float(sum(b.sum() for b in border) / sum(b.size for b in border)) > 0.5
 
 
 def _merged(reports: Sequence[StabilityReport]) -> StabilityReport:
@@ -459,24 +474,56 @@ def _summary(report: StabilityReport, names: dict[str, str]) -> str:
     )
 
 
-def _intro(models: ModelSet, spec: SweepSpec) -> str:
-    lines = []
+def _intro(models: ModelSet) -> str:
+    """Plain words first: what the page does and what to give it."""
+    shown = " and ".join(f"**{models.display[name]}**" for name in models.names)
+    return (
+        "# Does the prediction survive a turn?\n"
+        f"Give the page a picture of a piece of clothing, a shoe or a bag: {shown} each "
+        "name what they see, then the page turns the picture all the way round, shrinks and "
+        "enlarges it, and bends it a little, and shows whether each model's answer stays the "
+        "same. A model built to ignore rotation and size (RST-CNN) should keep its answer; an "
+        "ordinary network (CNN) often does not. Pick one of the test images below, upload "
+        "your own (a light object on a dark background works best; tick *Invert* for a dark "
+        "object on white) or draw one. Programs can use the HTTP API: [/docs](/docs)."
+    )
+
+
+def _details(models: ModelSet, spec: SweepSpec) -> str:
+    """The model card and the maths behind the sweeps."""
+    cards = []
     for name, clf in models:
         size = "x".join(str(v) for v in clf.input_size)
         accuracy = _accuracy(clf.metadata.get("rstcnn.accuracy"))
-        lines.append(f"- **{models.display[name]}** (`{name}`, input {size}{accuracy})")
+        precision = clf.metadata.get("rstcnn.precision", "fp32")
+        cards.append(
+            f"- **{models.display[name]}** (`{name}`): input {size} grey{accuracy}; "
+            f"runs in {'float32' if precision == 'fp32' else precision} (onnxruntime)"
+        )
     low, high = spec.scale_range
     return (
-        "# RST-CNN: how stable is the prediction?\n"
-        "Classify an image with each model, then watch the probability of the predicted "
-        f"class as the input is rotated (0-360 degrees, {spec.rotation_steps} steps), "
-        f"rescaled (x{low:g} to x{high:g}, log-spaced; training objects span 0.3-1) and "
-        f"deformed by a smooth random field with |grad tau|_inf from 0 to "
-        f"{spec.max_deformation:g} (the paper's D_tau). The models were trained on light "
-        "objects on a black background (Fashion-MNIST classes); tick *Invert* for dark-on-light "
-        f"pictures. Limits: {MAX_UPLOAD_BYTES / 2**20:g} MiB per file, "
-        f"{MAX_PIXELS / 1e6:g} megapixels. The HTTP API is documented at [/docs](/docs).\n\n"
-        + "\n".join(lines)
+        "**The models.** Trained on RS-Fashion: the ten Fashion-MNIST classes (T-shirt/top, "
+        "Trouser, Pullover, Dress, Coat, Sandal, Shirt, Sneaker, Bag, Ankle boot), each image "
+        "turned by a random angle and shrunk to 0.3-1 of its size, on a 56x56 grey canvas. "
+        "Accuracy is on that data set's test images.\n\n"
+        + "\n".join(cards)
+        + "\n\n**RST-CNN** (roto-scale-translation equivariant CNN with a Fourier-Bessel "
+        "filter basis, FB) computes every filter at 8 rotations and 4 sizes and takes the "
+        "strongest response, so its answer cannot change when the input is turned by a "
+        "quarter turn, and changes little for other angles and sizes. The **CNN** is a "
+        "plain network of the same size.\n\n"
+        "**Limits.** The models know only these ten classes, as grey silhouettes: a light "
+        "object on a dark background, centred, filling at most the canvas. Colour is "
+        "averaged to grey; other objects get one of the ten names anyway. When the border "
+        "of an upload is light, the page says so: tick *Invert*. Uploads: at most "
+        f"{MAX_UPLOAD_BYTES / 2**20:g} MiB and {MAX_PIXELS / 1e6:g} megapixels.\n\n"
+        f"**The sweeps.** Rotation: 0-360 degrees in {spec.rotation_steps} steps. Scale: "
+        f"x{low:g} to x{high:g} in {spec.scale_steps} log-spaced steps (training objects span "
+        "0.3-1). Deformation: the image is resampled along a smooth random displacement "
+        "field tau, D_tau x(u) = x(u - tau(u)), whose largest slope |grad tau|_inf goes from 0 "
+        f"to {spec.max_deformation:g} in {spec.deformation_steps} steps; the paper bounds how "
+        "much an RST-CNN's features can move under such a deformation. *Stability* is the "
+        "share of the rotation sweep whose top-1 label is the unchanged image's."
     )
 
 

@@ -82,6 +82,21 @@ def test_ui_invert_and_top_k(client, samples, tmp_path):
     assert len(plain[1]["confidences"]) == 5
     assert _confidences(inverted[1]) == pytest.approx(_confidences(plain[1]), abs=1e-5)
     assert "(inverted)" in inverted[0]
+    assert "background looks light" not in plain[0] + inverted[0]
+    forgot = analyse(client, dark, top_k=5)  # dark on light without Invert: the page says so
+    assert "background looks light" in forgot[0] and "tick *Invert*" in forgot[0]
+
+
+def test_page_speaks_plainly_with_a_model_card(server):
+    page = httpx.get(server + "/").text
+    assert "Does the prediction survive a turn?" in page
+    config = httpx.get(server + "/config").json()
+    texts = [c.get("props", {}).get("value") for c in config["components"]]
+    details = next(t for t in texts if isinstance(t, str) and t.startswith("**The models.**"))
+    for words in ("Ankle boot", "light object on a dark background", "Limits", "|grad tau|_inf"):
+        assert words in details
+    intro = next(t for t in texts if isinstance(t, str) and "survive a turn" in t)
+    assert "tau" not in intro and "realisation" not in intro  # the maths stays in Details
 
 
 def _confidences(label: dict) -> dict[str, float]:
