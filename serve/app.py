@@ -24,7 +24,11 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 import argparse
 import contextlib
 import ctypes
+import functools
+import hashlib
+import json
 import logging
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -223,7 +227,7 @@ def build_ui(
                     picks = gr.Gallery(
                         value=[(str(s.path), _class_name(default, s.label)) for s in samples],
                         label=f"Real test images ({samples[0].source}) with their true class: "
-                        "click one to classify it",
+                        "click one to classify it (a link to the N-th: /?sample=N)",
                         columns=6,
                         height="auto",
                         allow_preview=False,
@@ -239,6 +243,11 @@ def build_ui(
                         for i, (name, _) in enumerate(models)
                     ]
                 summary = gr.Markdown(elem_id="summary")
+                download = gr.File(
+                    label="This result as JSON (the API's /v1/stability answer)",
+                    interactive=False,
+                    elem_id="sweep-json",
+                )
         plot = gr.Plot(label="Stability panel", format="png", elem_id="stability-plot")
         gallery = gr.Gallery(
             label="Transformed inputs; captions: top-1 of "
@@ -253,7 +262,12 @@ def build_ui(
         draw_tab.select(lambda: "draw", None, source, api_visibility="private")
 
         def analyse(
-            picture: Any, drawing: Any, k: float, inverted: bool, tab: str
+            picture: Any,
+            drawing: Any,
+            k: float,
+            inverted: bool,
+            tab: str,
+            reports: list[StabilityReport] | None = None,
         ) -> Iterator[list[Any]]:
             try:
                 yield from _analyse(
@@ -267,6 +281,7 @@ def build_ui(
                     folders,
                     limits=limits,
                     cache=cache,
+                    reports=reports,
                 )
             except Busy as err:
                 raise gr.Error(str(err), title="Busy") from err
@@ -282,17 +297,19 @@ def build_ui(
             results and stays written where they were (a toast as well), instead of error
             badges over stale results."""
             busy, idle = gr.Button(interactive=False), gr.Button(interactive=True)
+            reports: list[StabilityReport] = []
             try:
                 for status_, *found, summary_, plot_, gallery_ in analyse(
-                    picture, drawing, classes, inverted, tab
+                    picture, drawing, classes, inverted, tab, reports
                 ):
-                    yield [status_, *_top(found, k), summary_, plot_, gallery_, busy, found]
+                    outputs = [status_, *_top(found, k), summary_, plot_, gallery_]
+                    yield [*outputs, busy, found, None]
             except gr.Error as err:
                 gr.Warning(err.message, title=err.title)
                 failed = f"**{err.title}:** {err.message}"
-                yield [failed, *[None] * len(labels), "", None, None, idle, None]
+                yield [failed, *[None] * len(labels), "", None, None, idle, None, None]
                 return
-            yield [gr.skip()] * (len(labels) + 4) + [idle, gr.skip()]
+            yield [gr.skip()] * (len(labels) + 4) + [idle, gr.skip(), _as_json(reports[-1])]
 
         def _top(found: Sequence[dict[str, float]], k: float) -> list[dict[str, float]]:
             return [dict(sorted(f.items(), key=lambda kv: -kv[1])[: int(k)]) for f in found]
@@ -304,7 +321,7 @@ def build_ui(
         top_k.change(show_top, [top_k, scores], labels, queue=False, api_visibility="private")
         run_inputs = [image, sketch, top_k, invert, source]
         run_outputs = [status, *labels, summary, plot, gallery]
-        page_outputs = [*run_outputs, run, scores]
+        page_outputs = [*run_outputs, run, scores, download]
         run.click(
             analyse_on_page,
             inputs=run_inputs,
@@ -340,6 +357,39 @@ def build_ui(
                 concurrency_id="sweeps",
                 api_visibility="private",
             )
+        if picks is not None:  # a link to a gallery image: /?sample=N (1-based) runs it
+
+            def from_link(request: gr.Request) -> list[Any]:
+                wanted = request.query_params.get("sample") if request is not None else None
+                index = int(wanted) - 1 if wanted and wanted.isdigit() else -1
+                if not 0 <= index < len(samples):
+                    return [gr.skip(), gr.skip(), gr.skip(), False]
+                return [str(samples[index].path), gr.Tabs(selected="upload"), "upload", True]
+
+            def run_if_linked(
+                picture: Any, drawing: Any, k: float, inverted: bool, tab: str, linked: bool
+            ) -> Iterator[list[Any]]:
+                if linked:
+                    yield from analyse_on_page(picture, drawing, k, inverted, tab)
+                else:
+                    yield [gr.skip()] * len(page_outputs)
+
+            linked = gr.State(False)
+            demo.load(
+                from_link,
+                None,
+                [image, tabs, source, linked],
+                queue=False,
+                api_visibility="private",
+            ).then(
+                run_if_linked,
+                inputs=[*run_inputs, linked],
+                outputs=page_outputs,
+                preprocess=False,
+                concurrency_limit=limits.sweeps.running,
+                concurrency_id="sweeps",
+                api_visibility="private",
+            )
     demo.queue(max_size=limits.sweeps.running + limits.sweeps.waiting)
     return demo
 
@@ -356,9 +406,11 @@ def _analyse(
     *,
     limits: Limits | None = None,
     cache: SweepCache | None = None,
+    reports: list[StabilityReport] | None = None,
 ) -> Iterator[list[Any]]:
     """One UI request: decode; the top-k of each model at once (one image per model);
-    then the sweeps (one batch per model), summary, plot and thumbnails."""
+    then the sweeps (one batch per model), summary, plot and thumbnails. The final report
+    is appended to ``reports`` when given."""
     drawn = tab == "draw"
     payload = (drawing or {}).get("composite") if drawn else picture
     path = payload.get("path") if isinstance(payload, dict) else payload
@@ -409,12 +461,35 @@ def _analyse(
                 done.append(measure_stability([clf], pixels, spec=spec, names=[name]))
             report = _merged(done)
         when = f"in {time.perf_counter() - start:.1f} s"
+    if reports is not None:
+        reports.append(report)
     yield [
         f"{described}; {len(models)} models x {spec.batch_size} images, one batch per model, "
         f"{when}.",
         *labels,
         *_results([report], models),
     ]
+
+
+_JSON_FILES = 256  # the newest result files kept for download
+
+
+@functools.cache
+def _json_folder() -> Path:
+    return Path(tempfile.mkdtemp(prefix="rstcnn-results-"))
+
+
+def _as_json(report: StabilityReport) -> str:
+    """The report as the API writes it, in a file under this process's temp folder (which
+    Gradio serves back to the page); the oldest beyond the newest 256 are deleted."""
+    text = json.dumps(report.to_dict(), indent=1)
+    folder = _json_folder()
+    path = folder / f"stability-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+    path.write_text(text)
+    old = sorted(folder.glob("stability-*.json"), key=lambda f: f.stat().st_mtime)
+    for stale in old[:-_JSON_FILES]:
+        stale.unlink(missing_ok=True)
+    return str(path)
 
 
 def _light_border(pixels: Any) -> bool:

@@ -228,3 +228,40 @@ def test_api_docs_render_offline(server):
     outside = [u for u in outside if not u.startswith(("data:", "blob:"))]
     assert all(failed.get(u) == "csp" for u in outside), (outside, failed)  # refused by the CSP
     assert len(outside) <= 1  # only ReDoc's logo
+
+
+def test_a_link_runs_its_gallery_image_and_the_result_downloads_as_json(server):
+    """/?sample=N opens the page on the N-th gallery image's result; the JSON file the page
+    offers is the API's answer for that image."""
+    from playwright.sync_api import sync_playwright
+
+    url, samples = server
+    expected = _api_labels(url, samples[2].path)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(url + "/?sample=3", wait_until="load")
+            page.wait_for_function(
+                "document.querySelector('#status')"
+                " && document.querySelector('#status').innerText.includes('one batch per model')",
+                timeout=90_000,
+            )
+            shown = [
+                page.inner_text(f"#label-{i} [data-testid=label-output-value]").strip()
+                for i in range(2)
+            ]
+            page.wait_for_selector("#sweep-json a[href]", timeout=30_000)
+            href = page.eval_on_selector("#sweep-json a[href]", "a => a.href")
+            plain = browser.new_page()
+            plain.goto(url + "/?sample=99", wait_until="load")  # out of range: nothing runs
+            plain.wait_for_selector("#run", timeout=30_000)
+            plain.wait_for_timeout(1500)
+            idle_status = plain.inner_text("#status")
+        finally:
+            browser.close()
+    assert shown == expected
+    body = httpx.get(href).json()
+    assert [m["label"] for m in body["models"]] == expected
+    assert body["batch_size"] == SPEC.batch_size
+    assert "one batch per model" not in idle_status
