@@ -39,6 +39,7 @@ __all__ = [
     "gate",
     "record_gate",
     "quarter_turn_change",
+    "current",
 ]
 
 PRECISIONS = ("fp32", "int8", "fp16")
@@ -301,3 +302,48 @@ def gate(path: str | Path, reference: str | Path, x: np.ndarray, labels: np.ndar
         quarter_turn=quarter_turn_change(path, x, out),
         reference_quarter_turn=quarter_turn_change(reference, x, ref),
     )
+
+
+def current(path: str | Path, checkpoint: str | Path) -> tuple[bool, str]:
+    """Whether the reduced-precision file ``path`` may stand in for ``checkpoint``: it
+    exists, was exported from this very checkpoint file (``rstcnn.checkpoint_sha256``) and
+    its recorded accuracy check passed. Also says why not."""
+    import hashlib
+
+    path = Path(path)
+    if not path.is_file():
+        return False, f"{path}: no such file"
+    try:
+        meta = {
+            p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props
+        }
+        gate_record = json.loads(meta.get("rstcnn.gate", "{}"))
+    except Exception as err:  # noqa: BLE001 - any unreadable file is simply not current
+        return False, f"{path}: unreadable ({err})"
+    digest = hashlib.sha256(Path(checkpoint).read_bytes()).hexdigest()
+    if meta.get("rstcnn.checkpoint_sha256") != digest:
+        return False, f"{path}: exported from another version of {checkpoint}"
+    if not gate_record.get("passes"):
+        return False, f"{path}: no passing accuracy check recorded"
+    return True, f"{path}: current, accuracy check passed on {gate_record.get('images')} images"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m export.precision current FILE CHECKPOINT``: exit 0 when FILE may stand in
+    for CHECKPOINT (``current``), 1 with the reason on stderr otherwise."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m export.precision")
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("current", help="is a reduced-precision file current for a checkpoint")
+    check.add_argument("file")
+    check.add_argument("checkpoint")
+    args = parser.parse_args(argv)
+    ok, why = current(args.file, args.checkpoint)
+    print(why, file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

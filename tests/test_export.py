@@ -565,6 +565,32 @@ def test_reduced_precision_runs_in_the_classifier_and_is_gated(
     assert precision in result.report()
 
 
+def test_current_says_when_a_reduced_file_may_stand_in_for_its_checkpoint(
+    rst_export, real_test_images, tmp_path
+):
+    from export.precision import GateResult, convert, current, main, record_gate
+
+    path, _, _, checkpoint = rst_export
+    x, _ = real_test_images
+    out = tmp_path / "m.int8.onnx"
+    assert not current(out, checkpoint)[0]  # missing
+    convert(path, out, "int8", calibration=x[:4])
+    ok, why = current(out, checkpoint)
+    assert not ok and "accuracy check" in why  # never checked
+    result = GateResult("int8", 40, 0.80, 0.80, 1.0, 0.1, 0.1, 0.0)
+    record_gate(out, result)
+    assert current(out, checkpoint)[0] and main(["current", str(out), str(checkpoint)]) == 0
+    record_gate(out, GateResult("int8", 40, 0.70, 0.80, 0.9, 1.0, 0.1, 0.0))  # failed gate
+    assert not current(out, checkpoint)[0]
+    record_gate(out, result)
+    other = tmp_path / "other.pt"
+    other.write_bytes(checkpoint.read_bytes() + b"\0")  # another version of the checkpoint
+    ok, why = current(out, other)
+    assert not ok and "another version" in why and main(["current", str(out), str(other)]) == 1
+    (tmp_path / "junk.onnx").write_bytes(b"not onnx")
+    assert not current(tmp_path / "junk.onnx", checkpoint)[0]
+
+
 def test_precision_arguments_are_checked(rst_export, tmp_path):
     from export.precision import convert
 
