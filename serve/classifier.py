@@ -56,6 +56,7 @@ _JSON_KEYS = (
     "accuracy",
     "calibration",
     "gate",
+    "quarter_turn_invariant",
 )
 _LUMA = np.array([0.299, 0.587, 0.114], dtype=np.float32)  # ITU-R 601-2, as PIL's "L"
 _GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")

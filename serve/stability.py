@@ -277,11 +277,48 @@ def measure_stability(
         if sweeps is None:
             sweeps = build_sweeps(prepared, spec)
             built.append((prepared, sweeps))
-        # one batch per model: the unperturbed image first, then every sweep step
+        # one batch per model: the unperturbed image first, then every sweep step; each
+        # distinct image runs once (see distinct_rows)
         batch = np.concatenate([prepared[None]] + [s.images for s in sweeps])
-        probs = probabilities(clf, batch)  # [1 + steps, classes]
+        unique, inverse = distinct_rows(batch, sweeps, quarter_turns=_turn_invariant(clf))
+        probs = probabilities(clf, batch[unique])[inverse]  # [1 + steps, classes]
         results.append(_summarise(name, clf.class_names, probs, sweeps))
     return StabilityReport(spec, results, built[0][1])
+
+
+def _turn_invariant(classifier: Any) -> bool:
+    """The export measured the model's logits unchanged under quarter turns."""
+    meta = getattr(classifier, "metadata", None)
+    return isinstance(meta, dict) and meta.get("rstcnn.quarter_turn_invariant") is True
+
+
+def distinct_rows(
+    batch: np.ndarray, sweeps: Sequence[Sweep], *, quarter_turns: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """Which rows of a sweep batch (the unperturbed image, then each sweep's steps) a model
+    must run: ``unique`` row indices and ``inverse`` with ``batch[unique][inverse]`` standing
+    for ``batch``. Bit-identical images run once (the unperturbed image is also step 0 of
+    the rotation and deformation sweeps and the scale factor 1). With ``quarter_turns`` (a
+    model whose logits do not change under quarter turns of its input), the image rotated
+    by ``a + 90 k`` degrees is that rotated by ``a`` turned k quarter turns about the centre,
+    so it runs only at ``a`` when ``a`` is also a step: 24 rotation steps need 6 images."""
+    alias = list(range(len(batch)))
+    start = 1
+    for sweep in sweeps:
+        if quarter_turns and sweep.name == "rotation":
+            angles = np.asarray(sweep.values, dtype=np.float64)
+            for i, angle in enumerate(angles):
+                same = np.flatnonzero(np.isclose(angles, angle % 90.0, atol=1e-9))
+                if len(same) and same[0] != i:
+                    alias[start + i] = start + int(same[0])
+        start += len(sweep.values)
+    seen: dict[bytes, int] = {}
+    for i in range(len(batch)):
+        if alias[i] == i:
+            alias[i] = seen.setdefault(np.ascontiguousarray(batch[i]).tobytes(), i)
+    roots = [alias[alias[i]] for i in range(len(batch))]
+    unique, inverse = np.unique(roots, return_inverse=True)
+    return unique, inverse
 
 
 def _summarise(

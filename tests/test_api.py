@@ -204,7 +204,10 @@ def test_stability_runs_one_batch_per_model(client, counted, samples):
     answer = client.post("/v1/stability", files=upload(samples[3].path.read_bytes()))
     assert answer.status_code == 200
     body = answer.json()
-    assert [c.batches for c in counted] == [[SPEC.batch_size], [SPEC.batch_size]]
+    # one batch per model, of its distinct images: the unperturbed one is also rotation 0,
+    # scale 1 and deformation 0; the RST-CNN (quarter-turn invariant) runs rotations 0 and 45
+    # only, the CNN all 8
+    assert [c.batches for c in counted] == [[SPEC.batch_size - 2 - 6], [SPEC.batch_size - 2]]
     assert body["batch_size"] == SPEC.batch_size == 1 + 8 + 5 + 3
     assert [m["model"] for m in body["models"]] == ["rst_cnn_fb", "cnn"]
     classified = client.post("/v1/classify", files=upload(samples[3].path.read_bytes())).json()
@@ -322,3 +325,23 @@ def test_changes_name_each_other_label_with_its_runs_of_steps():
         "deformation", np.linspace(0, 0.2, 6), np.zeros(6), ["Coat"] * 5 + ["Bag"], 0.8
     )
     assert bent.changes("Coat") == "Bag at 0.2"
+
+
+def test_sweeps_reuse_exactly_what_they_may(counted, samples):
+    """The distinct-row batch gives the full batch's probabilities: to round-off for the
+    quarter-turn invariant RST-CNN, bit for bit for duplicates."""
+    from serve.stability import build_sweeps, distinct_rows, probabilities
+
+    rst, cnn = (c.inner for c in counted)
+    assert rst.metadata["rstcnn.quarter_turn_invariant"] is True
+    assert cnn.metadata["rstcnn.quarter_turn_invariant"] is False
+    image = np.asarray(rst.prepare(grey(samples[5].path)), dtype=np.float32)[0]
+    sweeps = build_sweeps(image, SweepSpec(rotation_steps=24, scale_steps=5))
+    batch = np.concatenate([image[None]] + [s.images for s in sweeps])
+    full = probabilities(rst, batch)
+    unique, inverse = distinct_rows(batch, sweeps, quarter_turns=True)
+    assert len(unique) == len(batch) - 2 - 18  # 6 of 24 angles; 2 copies of the image
+    np.testing.assert_allclose(probabilities(rst, batch[unique])[inverse], full, atol=1e-5)
+    unique, inverse = distinct_rows(batch, sweeps)
+    assert len(unique) == len(batch) - 2
+    np.testing.assert_array_equal(batch[unique][inverse], batch)

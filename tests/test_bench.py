@@ -35,3 +35,18 @@ def test_bench_names_an_unknown_revision():
     done = bench("--models", "cnn", "--against", "no-such-revision")
     assert done.returncode != 0
     assert "--against no-such-revision: git worktree add failed" in done.stderr
+
+
+def test_floor_bench_times_each_op_of_the_basis_form_in_both_precisions():
+    from export.floor_bench import KERNELS, LAYERS, R, measure
+
+    rows = measure(repeats=1)
+    assert [(layer, op) for layer, op, *_ in rows] == [
+        (layer, op)
+        for layer in LAYERS
+        for op in [*(f"bank {k}x{k}" for k in KERNELS), "mixing 1x1"]
+    ]
+    assert all(fp32 > 0 and int8 > 0 for _, _, fp32, int8, _ in rows)
+    cin, cout, side = LAYERS["layer 2"]
+    mixing = next(g for layer, op, *_, g in rows if layer == "layer 2" and op == "mixing 1x1")
+    assert mixing == R * len(KERNELS) * cin * 12 * cout * side * side / 1e9
