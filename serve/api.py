@@ -371,7 +371,7 @@ def create_router(
     ) -> dict[str, Any]:
         """Probability of the unperturbed top-1 class and the top-1 label along rotation
         (0-360 degrees), scale (log-spaced factors) and deformation (|grad tau|_inf 0-0.2)
-        sweeps; each model runs all of them as one batch."""
+        sweeps; each model runs the distinct ones of them as one batch."""
         chosen = [(model, models.get(model))] if model else list(models)  # [(name, classifier)]
         with _admitted(limits.classify):
             pixels = _decode(image, invert)

@@ -261,7 +261,8 @@ def measure_stability(
     names: Sequence[str] | None = None,
 ) -> StabilityReport:
     """Sweep ``image`` (anything ``Classifier.prepare`` accepts) through every classifier.
-    Each classifier runs once, on the unperturbed image and all sweep steps as one batch.
+    Each classifier runs once, on the distinct images among the unperturbed one and all sweep
+    steps (``distinct_rows``) as one batch.
     ``names``: what the report calls each model (default: ``classifier.name``)."""
     spec = spec or SweepSpec()
     if not classifiers:
