@@ -168,8 +168,18 @@ def build_app(
     return app
 
 
-# the gallery's 56x56 test images drawn with square pixels, as the model sees them
-PAGE_CSS = "#samples img { image-rendering: pixelated; }"
+# the gallery's 56x56 test images drawn with square pixels, as the model sees them; on
+# narrow screens the stacked stability panel instead of the wide one
+PAGE_CSS = """
+#samples img { image-rendering: pixelated; }
+#stability-plot-narrow { display: none !important; }
+@media (max-width: 700px) {
+  #stability-plot { display: none !important; }
+  #stability-plot-narrow { display: block !important; }
+  #summary table { display: block; overflow-x: auto; }
+  #summary th, #summary td { white-space: nowrap; }
+}
+"""
 
 
 def build_ui(
@@ -249,6 +259,9 @@ def build_ui(
                     elem_id="sweep-json",
                 )
         plot = gr.Plot(label="Stability panel", format="png", elem_id="stability-plot")
+        narrow_plot = gr.Plot(  # the same, stacked: shown instead on narrow screens (CSS)
+            label="Stability panel", format="png", elem_id="stability-plot-narrow"
+        )
         gallery = gr.Gallery(
             label="Transformed inputs; captions: top-1 of "
             + " | ".join(models.display[name] for name in models.names),
@@ -303,13 +316,15 @@ def build_ui(
                     picture, drawing, classes, inverted, tab, reports
                 ):
                     outputs = [status_, *_top(found, k), summary_, plot_, gallery_]
-                    yield [*outputs, busy, found, None]
+                    yield [*outputs, busy, found, None, None]
             except gr.Error as err:
                 gr.Warning(err.message, title=err.title)
                 failed = f"**{err.title}:** {err.message}"
-                yield [failed, *[None] * len(labels), "", None, None, idle, None, None]
+                yield [failed, *[None] * len(labels), "", None, None, idle, None, None, None]
                 return
-            yield [gr.skip()] * (len(labels) + 4) + [idle, gr.skip(), _as_json(reports[-1])]
+            stacked = plot_report(reports[-1], display_names=models.display, stacked=True)
+            done = [idle, gr.skip(), _as_json(reports[-1]), stacked]
+            yield [gr.skip()] * (len(labels) + 4) + done
 
         def _top(found: Sequence[dict[str, float]], k: float) -> list[dict[str, float]]:
             return [dict(sorted(f.items(), key=lambda kv: -kv[1])[: int(k)]) for f in found]
@@ -321,7 +336,7 @@ def build_ui(
         top_k.change(show_top, [top_k, scores], labels, queue=False, api_visibility="private")
         run_inputs = [image, sketch, top_k, invert, source]
         run_outputs = [status, *labels, summary, plot, gallery]
-        page_outputs = [*run_outputs, run, scores, download]
+        page_outputs = [*run_outputs, run, scores, download, narrow_plot]
         run.click(
             analyse_on_page,
             inputs=run_inputs,

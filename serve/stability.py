@@ -351,12 +351,16 @@ _TITLES = {
 }
 
 
-def plot_report(report: StabilityReport, *, display_names: dict[str, str] | None = None) -> Figure:
+def plot_report(
+    report: StabilityReport, *, display_names: dict[str, str] | None = None, stacked: bool = False
+) -> Figure:
     """Probability of the unperturbed prediction along each sweep, one line per model;
-    crosses mark steps whose top-1 label changed. A ``Figure`` without pyplot (PNG by Agg)."""
+    crosses mark steps whose top-1 label changed. A ``Figure`` without pyplot (PNG by Agg).
+    The sweeps side by side, or ``stacked`` one above the other (for narrow screens)."""
     names = display_names or {}
-    fig = Figure(figsize=(13, 3.9), layout="constrained")
-    axes = fig.subplots(1, len(SWEEP_NAMES), sharey=True)
+    shape = (len(SWEEP_NAMES), 1) if stacked else (1, len(SWEEP_NAMES))
+    fig = Figure(figsize=(5.2, 11) if stacked else (13, 3.9), layout="constrained")
+    axes = fig.subplots(*shape, sharey=True).ravel()
     colours = matplotlib.colormaps["tab10"].colors
     for ax, sweep_name in zip(axes, SWEEP_NAMES, strict=True):
         title, xlabel = _TITLES[sweep_name]

@@ -265,3 +265,44 @@ def test_a_link_runs_its_gallery_image_and_the_result_downloads_as_json(server):
     assert [m["label"] for m in body["models"]] == expected
     assert body["batch_size"] == SPEC.batch_size
     assert "one batch per model" not in idle_status
+
+
+def test_a_phone_sized_page_stacks_the_stability_panel(server):
+    """At 390x844 the stacked panel replaces the wide one, fills the width, and the two
+    models' labels do not overlap."""
+    from playwright.sync_api import sync_playwright
+
+    url, _ = server
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 390, "height": 844})
+            page.goto(url + "/?sample=1", wait_until="load")
+            page.wait_for_selector("#stability-plot-narrow img", state="visible", timeout=90_000)
+            wide_visible = page.is_visible("#stability-plot")
+            img = page.locator("#stability-plot-narrow img")
+            natural = img.evaluate("i => [i.naturalWidth, i.naturalHeight]")
+            shown = img.bounding_box()
+            boxes = [page.locator(f"#label-{i}").bounding_box() for i in range(2)]
+            page.wait_for_selector("#summary table", timeout=30_000)
+            words = page.eval_on_selector_all(  # table cells on one line each, none broken
+                "#summary th, #summary td",
+                "cells => cells.filter(c => c.innerText.trim() && c.getClientRects().length"
+                " && c.getBoundingClientRect().height > 2.2 * parseFloat(getComputedStyle(c)"
+                ".lineHeight || 16)).length",
+            )
+            page.screenshot(path=str(artifacts_dir() / "web_app_390px.png"), full_page=True)
+        finally:
+            browser.close()
+    assert not wide_visible
+    assert words == 0  # no cell wraps onto a third line
+    assert natural[1] > natural[0]  # three panels one above the other
+    assert 250 <= shown["width"] <= 390
+    first, second = boxes
+    apart = (
+        first["y"] + first["height"] <= second["y"] + 1
+        or second["y"] + second["height"] <= first["y"] + 1
+        or first["x"] + first["width"] <= second["x"] + 1
+        or second["x"] + second["width"] <= first["x"] + 1
+    )
+    assert apart, boxes
