@@ -52,6 +52,7 @@ from serve.guards import (
     allowed_hosts,
     server_config,
 )
+from serve.preview import PageMeta
 from serve.samples import Sample, write_samples
 from serve.stability import (
     StabilityReport,
@@ -135,6 +136,7 @@ def build_app(
         "stability under rotation, scaling and deformation. The web app is at /.",
     )
     # outermost last: host check, security headers, CORS, body size, then the app
+    app.add_middleware(PageMeta)  # the page's link-preview tags name this app
     app.add_middleware(BodyLimit, limit=MAX_UPLOAD_BYTES + 2**20)  # + multipart overhead
     app.add_middleware(  # present even when empty: Gradio then adds no CORS of its own
         CORSMiddleware, allow_origins=list(cors_origins), allow_methods=["GET", "POST"]
@@ -143,20 +145,29 @@ def build_app(
     app.add_middleware(HostCheck, allowed=hosts)
     install_error_handlers(app)
     cache = SweepCache(model_set, spec, limits.sweeps)
-    app.include_router(create_router(model_set, spec=spec, limits=limits, cache=cache))
+    router = create_router(model_set, spec=spec, limits=limits, cache=cache)
+    app.include_router(router)
     app.state.models = model_set
     app.state.samples = samples
     app.state.limits = limits
     app.state.sweep_cache = cache
     uploads = (get_upload_folder(), folder)
-    blocks = build_ui(model_set, samples, spec=spec, limits=limits, folders=uploads, cache=cache)
+    blocks = build_ui(
+        model_set,
+        samples,
+        spec=spec,
+        limits=limits,
+        folders=uploads,
+        cache=cache,
+        api=api_help(router, model_set),
+    )
     app = gr.mount_gradio_app(
         app,
         blocks,
         path="/",
         max_file_size=MAX_UPLOAD_BYTES,
         allowed_paths=[str(folder.resolve())],
-        footer_links=["api"],
+        footer_links=[],  # the page's own "Use via API" section lists the /v1 API
         show_error=True,
         theme=gr.themes.Default(),  # local fonts only
         css=PAGE_CSS,
@@ -182,6 +193,41 @@ PAGE_CSS = """
 """
 
 
+# Gradio's sketchpad opens with no tool picked; this picks its brush once the Draw tab's
+# toolbar is on the page (it is drawn when the tab opens), so a stroke draws at once
+PICK_BRUSH = """() => {
+  let tries = 0;
+  const pick = () => {
+    const brush = document.querySelector("#sketch button[aria-label='Brush']");
+    if (brush) { if (!brush.classList.contains("highlight")) brush.click(); }
+    else if (++tries < 40) setTimeout(pick, 50);
+  };
+  pick();
+}"""
+
+
+def api_help(router: Any, models: ModelSet) -> str:
+    """The "Use via API" section: every route of ``router`` with its first docstring line,
+    and a curl line for the two image routes."""
+    rows = []
+    for route in router.routes:
+        methods = "/".join(sorted(route.methods - {"HEAD"}))
+        what = (route.endpoint.__doc__ or "").strip().split("\n")[0]
+        rows.append(f"| `{methods}` | `{route.path}` | {what} |")
+    return (
+        "The page runs on an HTTP API that programs can call directly; the interactive "
+        "reference with every field is at [/docs](/docs) (also [/redoc](/redoc)).\n\n"
+        "| method | path | what it answers |\n|---|---|---|\n"
+        + "\n".join(rows)
+        + "\n\nFor example (the server's address as in your browser):\n\n"
+        "```bash\n"
+        "curl -F image=@shoe.png -F top_k=3 http://127.0.0.1:7860/v1/classify\n"
+        f"curl -F image=@shoe.png -F model={models.default} "
+        "http://127.0.0.1:7860/v1/stability\n"
+        "```"
+    )
+
+
 def build_ui(
     models: ModelSet,
     samples: Sequence[Sample],
@@ -190,14 +236,19 @@ def build_ui(
     limits: Limits,
     folders: Sequence[str | Path],
     cache: SweepCache | None = None,
+    api: str = "",
 ) -> gr.Blocks:
     """The Gradio page over ``models``; ``samples`` fill the gallery; the event reads only
-    files in ``folders`` (Gradio's upload folder and the gallery's)."""
+    files in ``folders`` (Gradio's upload folder and the gallery's); ``api``: the text of
+    the "Use via API" section (``api_help``), none when empty."""
     default = models.get(None)
     with gr.Blocks(title="RST-CNN: prediction stability", analytics_enabled=False) as demo:
         gr.Markdown(_intro(models), elem_id="intro")
         with gr.Accordion("Details: the models, the sweeps and their limits", open=False):
             gr.Markdown(_details(models, spec), elem_id="details")
+        if api:
+            with gr.Accordion("Use via API", open=False, elem_id="api-help"):
+                gr.Markdown(api, elem_id="api-routes")
         source = gr.State("upload")
         with gr.Row():
             with gr.Column(scale=2):
@@ -212,7 +263,7 @@ def build_ui(
                         )
                     with gr.Tab("Draw", id="draw") as draw_tab:
                         sketch = gr.Sketchpad(
-                            label="Pick the brush, draw dark on light (inverted for the models)",
+                            label="Draw dark on light (inverted for the models)",
                             canvas_size=(280, 280),
                             brush=gr.Brush(default_size=20, colors=["#000000"], color_mode="fixed"),
                             type="filepath",
@@ -246,13 +297,13 @@ def build_ui(
                         elem_id="samples",
                     )
             with gr.Column(scale=3):
-                status = gr.Markdown(elem_id="status")
+                status = gr.Markdown(label="Status", elem_id="status")
                 with gr.Row():
                     labels = [
                         gr.Label(label=models.display[name], elem_id=f"label-{i}")
                         for i, (name, _) in enumerate(models)
                     ]
-                summary = gr.Markdown(elem_id="summary")
+                summary = gr.Markdown(label="Summary", elem_id="summary")
                 download = gr.File(
                     label="This result as JSON (the API's /v1/stability answer)",
                     interactive=False,
@@ -272,7 +323,7 @@ def build_ui(
             elem_id="sweep-gallery",
         )
         upload_tab.select(lambda: "upload", None, source, api_visibility="private")
-        draw_tab.select(lambda: "draw", None, source, api_visibility="private")
+        draw_tab.select(lambda: "draw", None, source, js=PICK_BRUSH, api_visibility="private")
 
         def analyse(
             picture: Any,

@@ -3,6 +3,7 @@ line, and a bounded load test of /v1/classify on loopback."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -97,6 +98,35 @@ def test_page_speaks_plainly_with_a_model_card(server):
         assert words in details
     intro = next(t for t in texts if isinstance(t, str) and "survive a turn" in t)
     assert "tau" not in intro and "realisation" not in intro  # the maths stays in Details
+
+
+def test_link_previews_name_the_app_and_the_link(server):
+    """One set of Open Graph / Twitter tags, ours: the app's title and the address asked
+    for, none of Gradio's ("Gradio", "{url}", remote pictures)."""
+    page = httpx.get(server + "/?sample=4").text
+    head = "\n".join(re.findall(r"<meta[^>]*>", page[: page.index("</head>")]))
+    assert head.count('property="og:title"') == 1 and head.count('name="twitter:title"') == 1
+    assert '<meta property="og:title" content="RST-CNN: prediction stability" />' in head
+    assert f'<meta property="og:url" content="{server}/?sample=4" />' in head
+    for theirs in ('content="Gradio"', "{url}", "gradio.app", "githubusercontent", "@Gradio"):
+        assert theirs not in head, theirs
+    assert int(httpx.get(server + "/").headers["content-length"]) == len(
+        httpx.get(server + "/").content
+    )
+
+
+def test_the_page_lists_the_http_api(server):
+    """The "Use via API" section names every /v1 route with its curl line; Gradio's own
+    API panel (only its event endpoint, and an MCP schema that 404s) is not linked."""
+    config = httpx.get(server + "/config").json()
+    texts = [c.get("props", {}).get("value") for c in config["components"]]
+    api = next(t for t in texts if isinstance(t, str) and "/v1/classify" in t and "curl" in t)
+    for route in ("/healthz", "/v1/models", "/v1/classify", "/v1/stability", "/docs"):
+        assert f"`{route}`" in api or f"({route})" in api, route
+    assert config["footer_links"] == []
+    info = httpx.get(server + "/gradio_api/info").json()
+    returns = [r["label"] for r in info["named_endpoints"]["/analyse"]["returns"]]
+    assert not any(label.startswith("value_") for label in returns), returns
 
 
 def _confidences(label: dict) -> dict[str, float]:

@@ -171,9 +171,10 @@ def _click_gallery_image(page, index: int) -> list[str]:
 
 
 def _draw_and_run(page) -> str:
-    """Draw one stroke on the Draw tab's canvas, run, and return the status line."""
+    """Open the Draw tab and draw one stroke at once (the page picks the brush), run,
+    and return the status line."""
     page.get_by_role("tab", name="Draw").click()
-    page.locator("#sketch button[aria-label='Brush']").first.click()
+    page.wait_for_selector("#sketch button[aria-label='Brush'].highlight", timeout=10_000)
     box = page.locator("#sketch canvas").first.bounding_box()
     x, y = box["x"] + 0.35 * box["width"], box["y"] + 0.3 * box["height"]
     page.mouse.move(x, y)
