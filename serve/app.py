@@ -55,8 +55,10 @@ from serve.guards import (
 from serve.preview import PageMeta
 from serve.samples import Sample, write_samples
 from serve.stability import (
+    SWEEP_NAMES,
     StabilityReport,
     SweepSpec,
+    join_reports,
     measure_stability,
     plot_report,
     thumbnails,
@@ -475,8 +477,9 @@ def _analyse(
     reports: list[StabilityReport] | None = None,
 ) -> Iterator[list[Any]]:
     """One UI request: decode; the top-k of each model at once (one image per model);
-    then the sweeps (one batch per model), summary, plot and thumbnails. The final report
-    is appended to ``reports`` when given."""
+    then the sweeps, rotation first, then scale, then deformation (one batch per model and
+    sweep), the summary, plot and thumbnails growing with each. The final report is
+    appended to ``reports`` when given."""
     drawn = tab == "draw"
     payload = (drawing or {}).get("composite") if drawn else picture
     path = payload.get("path") if isinstance(payload, dict) else payload
@@ -516,22 +519,25 @@ def _analyse(
     else:
         with limits.sweeps.enter() if limits is not None else contextlib.nullcontext():
             done: list[StabilityReport] = []
-            for name, clf in models:  # one batch per model; show each as it lands
-                if done:
+            for stage, following in zip(SWEEP_NAMES, [*SWEEP_NAMES[1:], None], strict=True):
+                for name, clf in models:  # each sweep's result shows as it lands
+                    done.append(
+                        measure_stability([clf], pixels, spec=spec, names=[name], sweeps=[stage])
+                    )
+                if following:
                     yield [
-                        f"{described}; {models.display[done[-1].models[0].model]} swept "
-                        f"({time.perf_counter() - start:.1f} s), now {models.display[name]}...",
+                        f"{described}; {', '.join(SWEEP_NAMES[: SWEEP_NAMES.index(stage) + 1])}"
+                        f" swept ({time.perf_counter() - start:.1f} s), now {following}...",
                         *labels,
                         *_results(done, models),
                     ]
-                done.append(measure_stability([clf], pixels, spec=spec, names=[name]))
-            report = _merged(done)
+            report = join_reports(done)
         when = f"in {time.perf_counter() - start:.1f} s"
     if reports is not None:
         reports.append(report)
     yield [
-        f"{described}; {len(models)} models x {spec.batch_size} images, one batch per model, "
-        f"{when}.",
+        f"{described}; {len(models)} models x {spec.batch_size} images, one batch per model "
+        f"and sweep, {when}.",
         *labels,
         *_results([report], models),
     ]
@@ -566,16 +572,9 @@ def _light_border(pixels: Any) -> bool:
     return float(sum(b.sum() for b in border) / sum(b.size for b in border)) > 0.5
 
 
-def _merged(reports: Sequence[StabilityReport]) -> StabilityReport:
-    """One report of several, each on its own models (the first one's sweep inputs)."""
-    return StabilityReport(
-        reports[0].spec, [m for r in reports for m in r.models], reports[0].sweeps
-    )
-
-
 def _results(reports: Sequence[StabilityReport], models: ModelSet) -> list[Any]:
-    """Summary, plot and thumbnails of the models swept so far."""
-    report = _merged(reports)
+    """Summary, plot and thumbnails of the models and sweeps done so far."""
+    report = join_reports(reports)
     return [
         _summary(report, models.display),
         plot_report(report, display_names=models.display),
@@ -594,7 +593,7 @@ def _summary(report: StabilityReport, names: dict[str, str]) -> str:
         "|---|---|---|---|---|---|",
     ]
     for m in report.models:
-        kept = [f"{m.sweeps[s].agreement:.0%}" for s in ("rotation", "scale", "deformation")]
+        kept = [f"{m.sweeps[s].agreement:.0%}" if s in m.sweeps else "..." for s in SWEEP_NAMES]
         rows.append(f"| {names[m.model]} | **{m.label}** | {m.score:.2f} | {' | '.join(kept)} |")
     headline = ", ".join(f"{names[m.model]} **{m.stability:.0%}**" for m in report.models)
     turned = "; ".join(
@@ -606,9 +605,14 @@ def _summary(report: StabilityReport, names: dict[str, str]) -> str:
         + "\n".join(rows)
         + "\n\n"
         + "\n".join(
-            f"- {names[m.model]}: rescaled, {m.sweeps['scale'].changes(m.label)}; deformed, "
-            f"{m.sweeps['deformation'].changes(m.label)}"
+            f"- {names[m.model]}: "
+            + "; ".join(
+                f"{verb}, {m.sweeps[sweep].changes(m.label)}"
+                for sweep, verb in (("scale", "rescaled"), ("deformation", "deformed"))
+                if sweep in m.sweeps
+            )
             for m in report.models
+            if "scale" in m.sweeps
         )
         + "\n\nColumns rotation / scale / deformation: share of each sweep with the unchanged "
         "top-1 label."

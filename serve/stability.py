@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import matplotlib
@@ -43,6 +43,7 @@ __all__ = [
     "build_sweeps",
     "probabilities",
     "measure_stability",
+    "join_reports",
     "plot_report",
     "thumbnails",
     "TRAIN_SCALE_RANGE",
@@ -120,30 +121,40 @@ class Sweep:
         return UNITS[self.name]
 
 
-def build_sweeps(image: np.ndarray, spec: SweepSpec) -> list[Sweep]:
-    """The rotation, scale and deformation sweeps of one prepared image ``[C, H, W]``."""
+def build_sweeps(
+    image: np.ndarray, spec: SweepSpec, names: Sequence[str] = SWEEP_NAMES
+) -> list[Sweep]:
+    """The named sweeps (default: rotation, scale and deformation) of one prepared image
+    ``[C, H, W]``."""
     if image.ndim != 3:
         raise ValueError(f"expected a prepared image [C, H, W], got shape {image.shape}")
+    unknown = set(names) - set(SWEEP_NAMES)
+    if unknown:
+        raise ValueError(f"unknown sweeps {sorted(unknown)}; the sweeps are {SWEEP_NAMES}")
     x = torch.from_numpy(np.ascontiguousarray(image, dtype=np.float32))  # [C, H, W]
     values = spec.values()
-    rotated = [act_on_image(x, RSTElement(angle=math.radians(deg))) for deg in values["rotation"]]
-    scaled = [act_on_image(x, RSTElement(log2_scale=math.log2(s))) for s in values["scale"]]
-    height, width = x.shape[-2:]
-    gen = torch.Generator().manual_seed(spec.seed)
-    field_ = random_displacement(1, height, width, generator=gen)  # [1, 2, H, W]
-    unit = field_ / jacobian_sup_norm(field_)[:, None, None, None]  # |grad tau|_inf = 1
-    norms = torch.from_numpy(values["deformation"])[:, None, None, None]  # [n, 1, 1, 1]
-    batch = x[None].expand(len(norms), *x.shape).double()  # [n, C, H, W]
-    deformed = warp(batch, norms * unit).float()
-    stacks = {
-        "rotation": torch.stack(rotated),
-        "scale": torch.stack(scaled),
-        "deformation": deformed,
-    }
     return [
-        Sweep(name, values[name], stacks[name].clamp(0, 1).numpy().astype(np.float32))
+        Sweep(name, values[name], _swept(x, name, values[name], spec.seed))
         for name in SWEEP_NAMES
+        if name in names
     ]
+
+
+def _swept(x: torch.Tensor, name: str, values: np.ndarray, seed: int) -> np.ndarray:
+    """``x [C, H, W]`` at each step of one sweep -> float32 ``[n, C, H, W]`` in [0, 1]."""
+    if name == "rotation":
+        stack = torch.stack([act_on_image(x, RSTElement(angle=math.radians(d))) for d in values])
+    elif name == "scale":
+        stack = torch.stack([act_on_image(x, RSTElement(log2_scale=math.log2(f))) for f in values])
+    else:
+        height, width = x.shape[-2:]
+        gen = torch.Generator().manual_seed(seed)
+        field_ = random_displacement(1, height, width, generator=gen)  # [1, 2, H, W]
+        unit = field_ / jacobian_sup_norm(field_)[:, None, None, None]  # |grad tau|_inf = 1
+        norms = torch.from_numpy(values)[:, None, None, None]  # [n, 1, 1, 1]
+        batch = x[None].expand(len(norms), *x.shape).double()  # [n, C, H, W]
+        stack = warp(batch, norms * unit).float()
+    return stack.clamp(0, 1).numpy().astype(np.float32)
 
 
 def probabilities(classifier: Any, batch: np.ndarray) -> np.ndarray:
@@ -259,32 +270,53 @@ def measure_stability(
     *,
     spec: SweepSpec | None = None,
     names: Sequence[str] | None = None,
+    sweeps: Sequence[str] = SWEEP_NAMES,
 ) -> StabilityReport:
     """Sweep ``image`` (anything ``Classifier.prepare`` accepts) through every classifier.
     Each classifier runs once, on the distinct images among the unperturbed one and all sweep
     steps (``distinct_rows``) as one batch.
-    ``names``: what the report calls each model (default: ``classifier.name``)."""
+    ``names``: what the report calls each model (default: ``classifier.name``); ``sweeps``:
+    which sweeps to run (a report of some of them joins with the rest by ``join_reports``)."""
     spec = spec or SweepSpec()
     if not classifiers:
         raise ValueError("need at least one classifier")
     names = list(names) if names is not None else [clf.name for clf in classifiers]
+    chosen = tuple(sweeps)
     built: list[tuple[np.ndarray, list[Sweep]]] = []  # models of one input size share sweeps
     results: list[ModelStability] = []
     for clf, name in zip(classifiers, names, strict=True):
         prepared = np.asarray(clf.prepare(image), dtype=np.float32)[0]  # [C, H, W]
-        sweeps = next(
+        swept = next(
             (s for p, s in built if p.shape == prepared.shape and (p == prepared).all()), None
         )
-        if sweeps is None:
-            sweeps = build_sweeps(prepared, spec)
-            built.append((prepared, sweeps))
+        if swept is None:
+            swept = build_sweeps(prepared, spec, names=chosen)
+            built.append((prepared, swept))
         # one batch per model: the unperturbed image first, then every sweep step; each
         # distinct image runs once (see distinct_rows)
-        batch = np.concatenate([prepared[None]] + [s.images for s in sweeps])
-        unique, inverse = distinct_rows(batch, sweeps, quarter_turns=_turn_invariant(clf))
+        batch = np.concatenate([prepared[None]] + [s.images for s in swept])
+        unique, inverse = distinct_rows(batch, swept, quarter_turns=_turn_invariant(clf))
         probs = probabilities(clf, batch[unique])[inverse]  # [1 + steps, classes]
-        results.append(_summarise(name, clf.class_names, probs, sweeps))
+        results.append(_summarise(name, clf.class_names, probs, swept))
     return StabilityReport(spec, results, built[0][1])
+
+
+def join_reports(parts: Sequence[StabilityReport]) -> StabilityReport:
+    """One report of several on one image: each of other models, or of other sweeps of the
+    same models (the web app sweeps rotation first, then scale, then deformation). Models
+    keep their first-seen order; the unperturbed prediction is the first part's."""
+    if not parts:
+        raise ValueError("need at least one report")
+    models: dict[str, ModelStability] = {}
+    for part in parts:
+        for m in part.models:
+            seen = models.get(m.model)
+            models[m.model] = (
+                m if seen is None else replace(seen, sweeps={**seen.sweeps, **m.sweeps})
+            )
+    inputs = {sweep.name: sweep for part in reversed(parts) for sweep in part.sweeps}
+    ordered = [inputs[name] for name in SWEEP_NAMES if name in inputs]
+    return StabilityReport(parts[0].spec, list(models.values()), ordered)
 
 
 def _turn_invariant(classifier: Any) -> bool:
@@ -364,6 +396,11 @@ def plot_report(
     colours = matplotlib.colormaps["tab10"].colors
     for ax, sweep_name in zip(axes, SWEEP_NAMES, strict=True):
         title, xlabel = _TITLES[sweep_name]
+        ax.set_title(title)
+        if any(sweep_name not in m.sweeps for m in report.models):  # not swept yet
+            ax.text(0.5, 0.5, "measuring...", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xticks([])
+            continue
         for k, model in enumerate(report.models):
             result = model.sweeps[sweep_name]
             colour = colours[k % len(colours)]
@@ -394,7 +431,6 @@ def plot_report(
             ax.minorticks_off()
         if sweep_name == "rotation":
             ax.set_xticks(np.arange(0, 361, 90))
-        ax.set_title(title)
         ax.set_xlabel(xlabel)
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)

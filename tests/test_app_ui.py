@@ -20,7 +20,8 @@ from serve import Classifier
 from serve.api import ModelSet
 from serve.app import _analyse, build_app, main
 from serve.loadtest import run_load
-from serve.stability import SweepSpec
+from serve.stability import SweepSpec, measure_stability
+from serve.uploads import decode_image
 
 SPEC = SweepSpec(rotation_steps=12, scale_steps=6, deformation_steps=4)
 
@@ -179,14 +180,55 @@ def test_drawing_is_inverted_and_flattened_on_white(tmp_path, samples, tmp_path_
             models, SPEC, None, {"composite": {"path": str(drawing)}}, 3, False, "draw", [tmp_path]
         )
     )
-    # labels first, then each model's sweeps as they land: the first model's while the
-    # second runs, then all
-    assert len(steps) == 1 + len(models) and "(inverted)" in steps[-1][0]
+    # labels first, then the sweeps as they land: rotation (both models) while scale runs,
+    # rotation and scale while deformation runs, then all
+    assert len(steps) == 4 and "(inverted)" in steps[-1][0]
+    assert "rotation swept" in steps[1][0] and "now scale" in steps[1][0]
+    assert "rotation, scale swept" in steps[2][0] and "now deformation" in steps[2][0]
     first, second = (models.display[name] for name in models.names)
-    assert f"{first} swept" in steps[1][0] and f"now {second}" in steps[1][0]
-    assert first in steps[1][3] and f"{second}:" not in steps[1][3]  # its summary only
-    assert f"{second}:" in steps[-1][3]
+    for names in (steps[1][3], steps[-1][3]):
+        assert f"{first}:" in names and f"{second}:" in names  # both models' rotation
+    assert "| ... | ... |" in steps[1][3] and "rescaled" not in steps[1][3]
+    assert "rescaled" in steps[2][3] and "deformed" not in steps[2][3]
+    assert "..." not in steps[-1][3] and "deformed" in steps[-1][3]
+    waiting = [t.get_text() for ax in steps[1][4].axes for t in ax.texts]
+    assert waiting == ["measuring...", "measuring..."]  # scale and deformation panels
+    assert not any(ax.texts for ax in steps[-1][4].axes)
+    # the staged sweeps join to the one-batch report the API answers
+    drawn = decode_image(drawing.read_bytes(), invert=True)
+    whole = measure_stability([clf for _, clf in models], drawn, spec=SPEC, names=models.names)
+    whole = whole.to_dict()
+    reports: list = []
+    list(
+        _analyse(
+            models,
+            SPEC,
+            None,
+            {"composite": {"path": str(drawing)}},
+            3,
+            False,
+            "draw",
+            [tmp_path],
+            reports=reports,
+        )
+    )
+    staged = reports[0].to_dict()
+    for a, b in zip(staged["models"], whole["models"], strict=True):
+        assert a["sweeps"].keys() == b["sweeps"].keys() and a["label"] == b["label"]
+        for name in a["sweeps"]:
+            assert a["sweeps"][name]["top1"] == b["sweeps"][name]["top1"]
+            np.testing.assert_allclose(
+                a["sweeps"][name]["probability"], b["sweeps"][name]["probability"], atol=1e-5
+            )
     expected = models.get("cnn").predict(pixels, top_k=3)[0]
     assert steps[-1][2] == pytest.approx({p.label: p.score for p in expected}, abs=2e-3)
     with pytest.raises(gr.Error, match="Draw something first"):
         list(_analyse(models, SPEC, None, {"composite": None}, 3, False, "draw", [tmp_path]))
+
+
+def test_stage_bench_times_the_sweep_both_ways(samples, tmp_path_factory):
+    from serve.stage_bench import measure
+
+    models = [Classifier.from_onnx(p) for p in tiny_onnx_models(tmp_path_factory.getbasetemp())]
+    timed = measure(models, grey(samples[0].path), SPEC)
+    assert 0 < timed["rotation_shown_s"] < timed["staged_s"] and timed["one_batch_s"] > 0

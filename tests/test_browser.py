@@ -68,13 +68,15 @@ def test_page_classifies_an_uploaded_test_image(server, tmp_path):
             page.wait_for_selector("#input-image img", timeout=30_000)
             page.click("#run")
             page.wait_for_function("document.querySelector('#run').disabled", timeout=10_000)
-            page.wait_for_selector("#stability-plot img", timeout=60_000)  # the first model's
+            page.wait_for_selector("#stability-plot img", timeout=60_000)  # the rotation sweep's
             page.wait_for_function(
                 "document.querySelector('#status').innerText.includes('one batch per model')",
                 timeout=60_000,
             )
-            page.wait_for_function(
-                "document.querySelectorAll('#sweep-gallery img').length >= 18", timeout=30_000
+            page.wait_for_function(  # the last stage's thumbnails, decoded
+                "[...document.querySelectorAll('#sweep-gallery img')]"
+                ".filter(i => i.complete && i.naturalWidth > 0).length >= 18",
+                timeout=30_000,
             )
             shown = [
                 page.inner_text(f"#label-{i} [data-testid=label-output-value]").strip()
