@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Main job: installs what it needs (scripts/setup.sh), prepares the default data set
-# (RS-Fashion, realisation 0: the app's gallery of real test images; cached, so a second run
+# (RS-Fashion, realisation 0: what a float32 export made here is checked on; cached, so a second run
 # is quick), serves the shipped checkpoints in models/ side by side (from their committed,
 # checked int8 ONNX files, or from a float32 export made here) in the web app on
 # http://127.0.0.1:7860 (Ctrl-C stops it). Extra arguments go to serve/app.py

@@ -40,7 +40,6 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi_offline import FastAPIOffline
 from gradio.utils import get_upload_folder
 
-from rstmodel.data import default_cache_dir
 from serve import Classifier
 from serve.api import Limits, ModelSet, SweepCache, create_router, install_error_handlers
 from serve.guards import (
@@ -53,7 +52,7 @@ from serve.guards import (
     server_config,
 )
 from serve.preview import PageMeta
-from serve.samples import Sample, write_samples
+from serve.samples import GALLERY, Sample, write_samples
 from serve.stability import (
     SWEEP_NAMES,
     StabilityReport,
@@ -114,8 +113,8 @@ def build_app(
 
     ``models``: ONNX paths or ``Classifier`` objects (default: the shipped RST-CNN and CNN);
     of several files of one checkpoint the fastest servable one is served (``serve.variants``);
-    ``samples_dir``: where the gallery's test images are written (default: the data cache's
-    ``app/samples``); ``threads``: onnxruntime intra-op threads per model; ``limits``: how
+    ``samples_dir``: the gallery's folder, written there when empty (default: the shipped
+    ``serve/gallery``); ``threads``: onnxruntime intra-op threads per model; ``limits``: how
     many requests run and wait at once; ``hosts``: the host names it answers to ("*": any);
     ``cors_origins``: origins whose pages may call it (default: none).
     """
@@ -128,7 +127,7 @@ def build_app(
         )
     model_set = ModelSet(served)
     limits = limits or Limits()
-    folder = Path(samples_dir) if samples_dir else default_cache_dir() / "app" / "samples"
+    folder = Path(samples_dir) if samples_dir else GALLERY
     samples = write_samples(folder)
     # /docs and /redoc from packaged Swagger UI and ReDoc files: they render offline
     app = FastAPIOffline(
@@ -726,7 +725,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=7860)
     parser.add_argument("--threads", type=int, default=None, help="onnxruntime threads per model")
-    parser.add_argument("--samples-dir", default=None, help="gallery folder (default: data cache)")
+    parser.add_argument(
+        "--samples-dir", default=None, help="gallery folder (default: the shipped serve/gallery)"
+    )
     parser.add_argument(
         "--allowed-host",
         action="append",
@@ -765,10 +766,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except (FileNotFoundError, ValueError) as err:
         parser.exit(2, f"error: {err}\n")
 
-    import torch
     import uvicorn
 
-    torch.set_num_threads(1)  # the sweeps' warps are small; onnxruntime does the heavy work
     warm_gallery(app)
     log.info("serving on http://%s:%d (API docs at /docs)", args.host, args.port)
     uvicorn.Server(server_config(app, host=args.host, port=args.port, log_level="warning")).run()

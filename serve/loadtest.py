@@ -351,11 +351,10 @@ def start_server(
 
 
 def _default_image() -> bytes:
-    """A real gallery image if the app wrote one, else a synthetic blob."""
-    from rstmodel.data import default_cache_dir
+    """The shipped gallery's first real test image, else a synthetic blob."""
+    from serve.samples import GALLERY
 
-    folder = default_cache_dir() / "app" / "samples"
-    found = sorted(folder.glob("sample_*.png"))
+    found = sorted(GALLERY.glob("sample_*.png"))
     if found:
         return found[0].read_bytes()
     from PIL import Image

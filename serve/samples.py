@@ -1,30 +1,31 @@
-"""A gallery of real test images for the app, written as PNG files at startup.
+"""A gallery of real test images for the app: PNG files and a ``samples.json`` listing them.
 
-Source, in order: the RS-Fashion test split of realisation 0 when its data cache exists
-(``python train/prepare_data.py --data rs-fashion``); else the Fashion-MNIST test images of
-the Debian package ``dataset-fashion-mnist``, rotated and scaled by the RS protocol with a
-fixed seed. Nothing is prepared from scratch here (that takes minutes). The PNG files and a
-``samples.json`` listing them live in a cache folder, so later starts read them back.
+The app ships one (``GALLERY``: 12 images of the RS-Fashion test split, realisation 0, one
+per class first), read without torch. ``write_samples`` makes one in another folder (and
+made the shipped one: ``python -m serve.samples FOLDER``); it needs the training side
+(``rstmodel``) and a source, in order: the RS-Fashion test split of realisation 0 when its
+data cache exists (``python train/prepare_data.py --data rs-fashion``); else the
+Fashion-MNIST test images of the Debian package ``dataset-fashion-mnist``, rotated and
+scaled by the RS protocol with a fixed seed.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from rstmodel.data import RSConfig, default_cache_dir, load_rs
-from rstmodel.data.rs import RSDataset, rotate_scale_upsize
-from rstmodel.data.sources import DEBIAN_FASHION_DIR, read_idx_folder
-
-__all__ = ["Sample", "load_samples", "write_samples"]
+__all__ = ["GALLERY", "Sample", "load_samples", "write_samples"]
 
 log = logging.getLogger(__name__)
 
+GALLERY = Path(__file__).resolve().parent / "gallery"  # shipped with the app
 MANIFEST = "samples.json"
 NUM_SAMPLES = 12
 _FASHION_TEST = 10_000  # the last 10,000 of the 70,000 IDX images are Fashion-MNIST's test set
@@ -59,6 +60,11 @@ def write_samples(
     existing = load_samples(folder)
     if existing:
         return existing
+    try:
+        from rstmodel.data import default_cache_dir
+    except ImportError as err:  # a serving-only install: the shipped gallery or none
+        log.warning("no gallery in %s and none can be made here (%s)", folder, err)
+        return []
     found = _from_rs_cache(cache_dir or default_cache_dir()) or _from_debian(count)
     if found is None:
         log.warning(
@@ -88,6 +94,9 @@ def _one_per_class_first(labels: np.ndarray, count: int) -> list[int]:
 
 
 def _from_rs_cache(cache_dir: Path) -> tuple[np.ndarray, np.ndarray, str] | None:
+    from rstmodel.data import RSConfig, load_rs
+    from rstmodel.data.rs import RSDataset
+
     config = RSConfig(RSDataset.FASHION)
     if not config.cache_path(cache_dir).is_file():
         return None
@@ -102,6 +111,10 @@ def _from_rs_cache(cache_dir: Path) -> tuple[np.ndarray, np.ndarray, str] | None
 
 
 def _from_debian(count: int) -> tuple[np.ndarray, np.ndarray, str] | None:
+    from rstmodel.data import RSConfig
+    from rstmodel.data.rs import RSDataset, rotate_scale_upsize
+    from rstmodel.data.sources import DEBIAN_FASHION_DIR, read_idx_folder
+
     if not DEBIAN_FASHION_DIR.is_dir():
         return None
     try:
@@ -122,3 +135,17 @@ def _from_debian(count: int) -> tuple[np.ndarray, np.ndarray, str] | None:
         ]
     )
     return out, labels, "Fashion-MNIST test images (Debian), RS protocol, seed 0"
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Write a gallery of real test images.")
+    parser.add_argument("folder", type=Path, help="where to write it (kept if already there)")
+    parser.add_argument("--count", type=int, default=NUM_SAMPLES)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not write_samples(args.folder, count=args.count):
+        raise SystemExit("no source of test images: see the warning above")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,20 +1,21 @@
 """Stability sweeps: how a classifier's prediction moves as its input is rotated, rescaled
-and deformed, with the project's own transforms (what the paper measures).
+and deformed (what the paper measures), in numpy and scipy (``serve.transforms``: the same
+conventions as the project's torch transforms, no torch needed).
 
 One request builds, per model input size, a batch ``[1 + n_rot + n_scale + n_def, C, H, W]``:
 the prepared image (the model's size, [0, 1]) followed by
 
-- rotation: ``act_on_image`` by 0..360 degrees about the centre (quarter turns are exact
-  pixel permutations, the rest bilinear, zero fill);
-- scale: ``act_on_image`` by log-spaced factors (one of them exactly 1), over the RS
-  training range (0.3 to 1 of the original object) and beyond, relative to the image as
-  given;
+- rotation: by 0..360 degrees about the centre (quarter turns are exact pixel
+  permutations, the rest bilinear, zero fill);
+- scale: by log-spaced factors (one of them exactly 1), over the RS training range (0.3 to
+  1 of the original object) and beyond, relative to the image as given;
 - deformation: ``D_tau x = x(u - tau(u))`` (paper eq. 10) along one seeded smooth random
   field ``tau`` scaled so that ``|grad tau|_inf`` runs from 0 to 0.2 (assumption A3: < 1/5).
 
-Each model sees its whole batch in one call. Per sweep step it reports the probability of
-the class predicted for the unperturbed image and the top-1 label; a sweep's *agreement* is
-the fraction of its steps whose top-1 label equals the unperturbed one, and the model's
+Each model runs the distinct images of its batch in one call (the web page runs one call
+per sweep, rotation first). Per sweep step it reports the probability of the class
+predicted for the unperturbed image and the top-1 label; a sweep's *agreement* is the
+fraction of its steps whose top-1 label equals the unperturbed one, and the model's
 stability number is the rotation agreement.
 """
 
@@ -27,12 +28,10 @@ from typing import Any
 
 import matplotlib
 import numpy as np
-import torch
 from matplotlib.figure import Figure
 from PIL import Image
 
-from rstmodel.data.transforms import jacobian_sup_norm, random_displacement, warp
-from rstmodel.group import RSTElement, act_on_image
+from .transforms import rotate_scale, smooth_field, sup_slope, warp
 
 __all__ = [
     "SweepSpec",
@@ -131,7 +130,7 @@ def build_sweeps(
     unknown = set(names) - set(SWEEP_NAMES)
     if unknown:
         raise ValueError(f"unknown sweeps {sorted(unknown)}; the sweeps are {SWEEP_NAMES}")
-    x = torch.from_numpy(np.ascontiguousarray(image, dtype=np.float32))  # [C, H, W]
+    x = np.ascontiguousarray(image, dtype=np.float32)  # [C, H, W]
     values = spec.values()
     return [
         Sweep(name, values[name], _swept(x, name, values[name], spec.seed))
@@ -140,21 +139,17 @@ def build_sweeps(
     ]
 
 
-def _swept(x: torch.Tensor, name: str, values: np.ndarray, seed: int) -> np.ndarray:
+def _swept(x: np.ndarray, name: str, values: np.ndarray, seed: int) -> np.ndarray:
     """``x [C, H, W]`` at each step of one sweep -> float32 ``[n, C, H, W]`` in [0, 1]."""
     if name == "rotation":
-        stack = torch.stack([act_on_image(x, RSTElement(angle=math.radians(d))) for d in values])
+        steps = [rotate_scale(x, float(degrees)) for degrees in values]
     elif name == "scale":
-        stack = torch.stack([act_on_image(x, RSTElement(log2_scale=math.log2(f))) for f in values])
+        steps = [rotate_scale(x, 0.0, float(factor)) for factor in values]
     else:
-        height, width = x.shape[-2:]
-        gen = torch.Generator().manual_seed(seed)
-        field_ = random_displacement(1, height, width, generator=gen)  # [1, 2, H, W]
-        unit = field_ / jacobian_sup_norm(field_)[:, None, None, None]  # |grad tau|_inf = 1
-        norms = torch.from_numpy(values)[:, None, None, None]  # [n, 1, 1, 1]
-        batch = x[None].expand(len(norms), *x.shape).double()  # [n, C, H, W]
-        stack = warp(batch, norms * unit).float()
-    return stack.clamp(0, 1).numpy().astype(np.float32)
+        field_ = smooth_field(*x.shape[-2:], seed)
+        unit = field_ / sup_slope(field_)  # |grad tau|_inf = 1
+        steps = [warp(x, float(norm) * unit) for norm in values]
+    return np.clip(np.stack(steps), 0, 1).astype(np.float32)
 
 
 def probabilities(classifier: Any, batch: np.ndarray) -> np.ndarray:

@@ -45,13 +45,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads")
     args = parser.parse_args(argv)
-    from rstmodel.data import default_cache_dir
-    from serve.samples import write_samples
+    from serve.samples import GALLERY, load_samples
     from serve.uploads import decode_image
 
-    samples = write_samples(default_cache_dir() / "app" / "samples")
-    if not samples:
-        parser.error("no gallery images: run python train/prepare_data.py --data rs-fashion")
+    samples = load_samples(GALLERY)
     image = decode_image(samples[args.sample % len(samples)].path.read_bytes())
     models = [
         Classifier.from_onnx(path, threads=args.threads)

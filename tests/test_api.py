@@ -207,7 +207,7 @@ def test_stability_runs_one_batch_per_model(client, counted, samples):
     # one batch per model, of its distinct images: the unperturbed one is also rotation 0,
     # scale 1 and deformation 0; the RST-CNN (quarter-turn invariant) runs rotations 0 and 45
     # only, the CNN all 8
-    assert [c.batches for c in counted] == [[SPEC.batch_size - 2 - 6], [SPEC.batch_size - 2]]
+    assert [c.batches for c in counted] == [[SPEC.batch_size - 3 - 6], [SPEC.batch_size - 3]]
     assert body["batch_size"] == SPEC.batch_size == 1 + 8 + 5 + 3
     assert [m["model"] for m in body["models"]] == ["rst_cnn_fb", "cnn"]
     classified = client.post("/v1/classify", files=upload(samples[3].path.read_bytes())).json()
@@ -267,6 +267,36 @@ def test_sweep_transforms(samples):
     np.testing.assert_allclose(deformation.images[0], image, atol=1e-6)
     moved = [np.abs(d - image).mean() for d in deformation.images]
     assert 0 < moved[1] < moved[2]  # a larger |grad tau| moves the picture more
+
+
+def test_numpy_sweeps_agree_with_the_torch_transforms(samples):
+    """serve.transforms (numpy/scipy, what serving runs) against the project's torch
+    transforms on a real test image: quarter turns bit for bit, the rest to float32
+    rounding; the slope norm and the warp on one field."""
+    import math
+
+    import torch
+
+    from rstmodel.data.transforms import jacobian_sup_norm
+    from rstmodel.data.transforms import warp as torch_warp
+    from rstmodel.group import RSTElement, act_on_image
+    from serve.transforms import rotate_scale, smooth_field, sup_slope, warp
+
+    image = grey(samples[5].path)[None].astype(np.float32) / 255  # [1, 56, 56]
+    x = torch.from_numpy(image)
+    for degrees, factor in [(0, 1), (90, 1), (180, 1), (270, 1), (15, 1), (135, 0.7), (0, 0.3)]:
+        g = RSTElement(angle=math.radians(degrees), log2_scale=math.log2(factor))
+        ours, theirs = rotate_scale(image, degrees, factor), act_on_image(x, g).numpy()
+        if degrees % 90 == 0 and factor == 1:
+            np.testing.assert_array_equal(ours, theirs)
+        else:
+            np.testing.assert_allclose(ours, theirs, atol=2e-5)
+    tau = smooth_field(56, 56, seed=3)
+    assert sup_slope(tau) == pytest.approx(jacobian_sup_norm(torch.from_numpy(tau)).item())
+    tau *= 0.2 / sup_slope(tau)
+    reference = torch_warp(x[None].double(), torch.from_numpy(tau)[None]).float().numpy()[0]
+    np.testing.assert_allclose(warp(image, tau), reference, atol=1e-6)
+    assert not np.allclose(smooth_field(56, 56, seed=3), smooth_field(56, 56, seed=4))
 
 
 def test_gallery_images_are_answered_from_sweeps_made_at_start_up(counted, samples):
@@ -340,8 +370,8 @@ def test_sweeps_reuse_exactly_what_they_may(counted, samples):
     batch = np.concatenate([image[None]] + [s.images for s in sweeps])
     full = probabilities(rst, batch)
     unique, inverse = distinct_rows(batch, sweeps, quarter_turns=True)
-    assert len(unique) == len(batch) - 2 - 18  # 6 of 24 angles; 2 copies of the image
+    assert len(unique) == len(batch) - 3 - 18  # 6 of 24 angles; 3 copies of the image
     np.testing.assert_allclose(probabilities(rst, batch[unique])[inverse], full, atol=1e-5)
     unique, inverse = distinct_rows(batch, sweeps)
-    assert len(unique) == len(batch) - 2
+    assert len(unique) == len(batch) - 3
     np.testing.assert_array_equal(batch[unique][inverse], batch)
