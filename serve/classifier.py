@@ -14,9 +14,10 @@ Accepted images, alone or in a list (one list may mix them, and sizes may differ
 PIL images of any mode (1, L, P, RGB, RGBA, LA, CMYK, 16-bit grey, ...), file paths
 (``str`` / ``Path``), and arrays ``H x W``, ``H x W x 1``, ``H x W x 3``, ``H x W x 4``
 that are uint8 (0..255), uint16 (0..65535) or float in [0, 1]; a 4-D array is a batch of
-``H x W x C`` images. Conversions: grey <-> RGB (ITU-R 601 luma), transparency composited
-on black (the data sets' background), files and PIL images over ``WORKING_SIDE`` pixels on
-a side box-reduced first (``serve.images``), then a bicubic resize that keeps the aspect
+``H x W x C`` images. Files and PIL images are read by ``serve.images.pixels``, the rules the
+HTTP API and the web app use too (transparency flattened on black, the data sets'
+background; over ``WORKING_SIDE`` pixels on a side box-reduced first); then grey <-> RGB
+(ITU-R 601 luma), a bicubic resize that keeps the aspect
 ratio and black padding of the short side to the model's size. Files are opened by
 ``serve.images.open_image`` (accepted formats only, size bounded from the header). Anything
 else (an empty batch, an unreadable or non-image file, more than ``MAX_PIXELS`` pixels, NaN
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from .images import MAX_PIXELS, WORKING_SIDE, check_size, open_image, shrink
+from .images import MAX_PIXELS, check_size, open_image, pixels
 
 __all__ = ["MAX_PIXELS", "MAX_BATCH", "MAX_MODEL_BYTES", "Classifier", "Prediction"]
 
@@ -294,10 +295,7 @@ class Classifier:
 
     def predict_proba(self, images: Any) -> np.ndarray:
         """Class probabilities (softmax), float32 ``[N, classes]``."""
-        logits = self.run_logits(self.normalize(self.prepare(images))).astype(np.float64)
-        logits -= logits.max(axis=1, keepdims=True)
-        p = np.exp(logits)
-        return (p / p.sum(axis=1, keepdims=True)).astype(np.float32)
+        return softmax(self.run_logits(self.normalize(self.prepare(images)))).astype(np.float32)
 
     def predict(self, images: Any, top_k: int = 5) -> list[list[Prediction]]:
         """The ``top_k`` most probable classes of each image, most probable first."""
@@ -329,6 +327,14 @@ class Classifier:
         return batch
 
 
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Probabilities of logits ``[N, classes]``, computed in float64 -> float64."""
+    shifted = np.asarray(logits, dtype=np.float64)
+    shifted = shifted - shifted.max(axis=1, keepdims=True)
+    weights = np.exp(shifted)
+    return weights / weights.sum(axis=1, keepdims=True)
+
+
 # ---------------------------------------------------------------- image handling
 
 
@@ -347,38 +353,23 @@ def _as_list(images: Any) -> list[Any]:
 def _prepare_one(item: Any, channels: int, height: int, width: int) -> np.ndarray:
     """One image -> float32 ``[C, H, W]`` in [0, 1]."""
     if isinstance(item, (str, os.PathLike)):
-        pixels = _pil_pixels(open_image(Path(item)))
+        values = _channels_last(pixels(open_image(Path(item))))
     elif isinstance(item, Image.Image):
         check_size(*item.size)
-        pixels = _pil_pixels(item)
+        values = _channels_last(pixels(item))
     elif isinstance(item, np.ndarray):
-        pixels = _array_pixels(item)
+        values = _array_pixels(item)
     else:
         raise ValueError(
             f"unsupported image type {type(item).__name__}: give a PIL image, a file path "
             "or a numpy array"
         )
-    return _fit(_to_channels(pixels, channels), height, width)
+    return _fit(_to_channels(values, channels), height, width)
 
 
-def _pil_pixels(image: Image.Image) -> np.ndarray:
-    """A PIL image of any mode -> float32 ``[H, W, 1 or 3]`` in [0, 1], alpha on black, at
-    most ``WORKING_SIDE`` pixels on a side (``shrink``)."""
-    mode = image.mode
-    if mode.startswith("I;16") or mode == "I":
-        grey = np.asarray(shrink(image), dtype=np.float64)
-        return (np.clip(grey, 0, 65535) / 65535).astype(np.float32)[..., None]
-    if mode == "F":
-        return _float_pixels(np.asarray(shrink(image), dtype=np.float32))[..., None]
-    if mode in ("1", "L"):
-        return (np.asarray(shrink(image.convert("L")), dtype=np.float32) / 255)[..., None]
-    if "A" in mode or "a" in mode or (mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
-        if max(rgba.size) > WORKING_SIDE:  # premultiplied before it is reduced: no bleed
-            return np.asarray(shrink(rgba.convert("RGBa")), dtype=np.float32)[..., :3] / 255
-        rgba = np.asarray(rgba, dtype=np.float32) / 255
-        return rgba[..., :3] * rgba[..., 3:]
-    return np.asarray(shrink(image.convert("RGB")), dtype=np.float32) / 255
+def _channels_last(values: np.ndarray) -> np.ndarray:
+    """``serve.images.pixels``' ``[H, W]`` or ``[H, W, 3]`` -> ``[H, W, 1 or 3]``."""
+    return values[..., None] if values.ndim == 2 else values
 
 
 def _float_pixels(array: np.ndarray) -> np.ndarray:

@@ -1,5 +1,6 @@
-"""Opening image files at a bounded cost: the one place the serving side (the HTTP API, the
-web app and ``Classifier``) turns bytes or a path into a Pillow image.
+"""Opening image files at a bounded cost, and the one set of rules that turns any Pillow
+image into pixels: the only place the serving side (the HTTP API, the web app and
+``Classifier``) turns bytes, a path or a Pillow image into an array (``pixels``).
 
 What an untrusted file can make the server spend is fixed before its pixels exist:
 
@@ -14,6 +15,11 @@ What an untrusted file can make the server spend is fixed before its pixels exis
 
 So one image costs at most ``MAX_PIXELS`` x 4 bytes while it is decoded (160 MB) and a few
 MB after that, whatever its dimensions.
+
+``pixels`` reads every mode the same way for all of them: 1-bit and 8-bit grey /255, 16-bit
+and 32-bit integer grey /65535 (clipped), float grey clipped to [0, 1] (NaN or infinity
+refused), palette, CMYK, YCbCr, LAB and HSV through RGB, and transparency flattened onto a
+given background (black, the models' training background, unless the caller inverts).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import math
 import warnings
 from pathlib import Path
 
+import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 __all__ = [
@@ -32,6 +39,7 @@ __all__ = [
     "ImageError",
     "check_size",
     "open_image",
+    "pixels",
     "shrink",
 ]
 
@@ -128,6 +136,37 @@ def shrink(image: Image.Image, side: int = WORKING_SIDE) -> Image.Image:
     elif image.mode == "1":
         image = image.convert("L")
     return image.reduce(factor)
+
+
+_GREY_INT = ("I", "I;16", "I;16L", "I;16B", "I;16N")
+_ALPHA = ("RGBA", "RGBa", "LA", "La", "PA")
+
+
+def pixels(image: Image.Image, *, background: int = 0) -> np.ndarray:
+    """A Pillow image of any mode -> float32 ``[H, W]`` (grey) or ``[H, W, 3]`` (colour) in
+    [0, 1], transparency flattened onto ``background`` (0 black, 255 white), at most
+    ``WORKING_SIDE`` pixels on a side (``shrink``). Raises ``ImageError`` (422) for NaN or
+    infinite float pixels."""
+    mode = image.mode
+    if mode in _GREY_INT:
+        return np.clip(np.asarray(shrink(image), dtype=np.float32), 0, 65535) / 65535.0
+    if mode == "F":
+        values = np.asarray(shrink(image), dtype=np.float32)
+        if not np.isfinite(values).all():
+            raise ImageError(422, "the image holds NaN or infinite values")
+        return np.clip(values, 0.0, 1.0)
+    if mode == "P":
+        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
+    elif mode == "1":
+        image = image.convert("L")
+    if image.mode in _ALPHA:
+        colour = "L" if image.mode in ("LA", "La") else "RGB"
+        flat = Image.new(colour, image.size, (background,) * len(colour))
+        flat.paste(image.convert(colour), mask=image.getchannel("A"))
+        image = flat
+    if image.mode not in ("L", "RGB"):
+        image = image.convert("RGB")
+    return np.asarray(shrink(image), dtype=np.float32) / 255.0
 
 
 def _limit() -> str:

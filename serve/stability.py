@@ -31,6 +31,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from PIL import Image
 
+from .classifier import softmax
 from .transforms import rotate_scale, smooth_field, sup_slope, warp
 
 __all__ = [
@@ -155,10 +156,7 @@ def _swept(x: np.ndarray, name: str, values: np.ndarray, seed: int) -> np.ndarra
 def probabilities(classifier: Any, batch: np.ndarray) -> np.ndarray:
     """Softmax over one ``run_logits`` call. batch float32 ``[N, C, H, W]`` in [0, 1]
     -> ``[N, classes]``."""
-    logits = np.asarray(classifier.run_logits(classifier.normalize(batch)), dtype=np.float64)
-    logits -= logits.max(axis=1, keepdims=True)
-    weights = np.exp(logits)
-    return weights / weights.sum(axis=1, keepdims=True)
+    return softmax(classifier.run_logits(classifier.normalize(batch)))
 
 
 @dataclass(frozen=True, eq=False)

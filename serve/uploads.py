@@ -27,18 +27,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
-from .images import MAX_PIXELS, ImageError, open_image, shrink
+from .images import MAX_PIXELS, ImageError, open_image, pixels
 
 __all__ = ["MAX_UPLOAD_BYTES", "MAX_PIXELS", "UploadError", "decode_image", "read_uploaded"]
 
 MAX_UPLOAD_BYTES = 20 * 1024 * 1024  # 20 MiB per uploaded file
-
-_GREY_16 = ("I;16", "I;16L", "I;16B", "I;16N")
-_ALPHA = ("RGBA", "RGBa", "LA", "La", "PA")
-_THROUGH_RGB = ("CMYK", "YCbCr", "LAB", "HSV", "RGBX")
-
 
 UploadError = ImageError  # an upload that cannot be classified, with its HTTP status
 
@@ -86,36 +80,8 @@ def decode_image(data: bytes, *, invert: bool = False) -> np.ndarray:
         raise UploadError(400, "the upload is empty: choose an image file (PNG, JPEG, ...)")
     if len(data) > MAX_UPLOAD_BYTES:
         raise UploadError(413, f"the file is larger than the {_mib(MAX_UPLOAD_BYTES)} upload limit")
-    image = open_image(data)
-    pixels = _to_array(image, background=255 if invert else 0)
-    return 1.0 - pixels if invert else pixels
-
-
-def _to_array(image: Image.Image, *, background: int) -> np.ndarray:
-    """float32 [H, W] or [H, W, 3] in [0, 1], transparency flattened onto ``background``."""
-    mode = image.mode
-    if mode in _GREY_16 or mode == "I":
-        return np.clip(np.asarray(shrink(image), dtype=np.float32), 0, 65535) / 65535.0
-    if mode == "F":
-        image = shrink(image)
-        pixels = np.asarray(image, dtype=np.float32)
-        if not np.isfinite(pixels).all():
-            raise UploadError(422, "the image holds NaN or infinite values")
-        return np.clip(pixels, 0.0, 1.0)
-    if mode == "P":
-        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
-    elif mode in ("1", "L"):
-        image = image.convert("L")
-    elif mode in _THROUGH_RGB:
-        image = image.convert("RGB")
-    if image.mode in _ALPHA:
-        colour = "L" if image.mode in ("LA", "La") else "RGB"
-        flat = Image.new(colour, image.size, (background,) * len(colour))
-        flat.paste(image.convert(colour), mask=image.getchannel("A"))
-        image = flat
-    if image.mode not in ("L", "RGB"):
-        image = image.convert("RGB")
-    return np.asarray(shrink(image), dtype=np.float32) / 255.0
+    decoded = pixels(open_image(data), background=255 if invert else 0)
+    return 1.0 - decoded if invert else decoded
 
 
 def _mib(size: int) -> str:

@@ -373,3 +373,27 @@ def test_inference_path_imports_no_torch(onnx_model, tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_the_classifier_reads_files_as_the_http_api_decodes_them(tmp_path):
+    """One set of image rules: a file given to ``Classifier.prepare`` and the same bytes
+    decoded by the API (``serve.uploads.decode_image``) give the same input, bit for bit,
+    for transparency, palettes, 16-bit grey, float grey beyond [0, 1] and 1-bit images."""
+    from serve.uploads import decode_image
+
+    clf, _ = fake()
+    img = grey()
+    alpha = Image.fromarray(255 - img)
+    forms = {
+        "rgba.png": Image.merge("RGBA", [Image.fromarray(img)] * 3 + [alpha]),
+        "la.png": Image.merge("LA", [Image.fromarray(img), alpha]),
+        "p.png": Image.fromarray(img).convert("P"),
+        "i16.png": Image.fromarray(img.astype(np.uint16) * 257),
+        "f.tif": Image.fromarray(img.astype(np.float32) / 200 - 0.1),  # clipped to [0, 1]
+        "one.png": Image.fromarray(img > 100),
+    }
+    for name, image in forms.items():
+        path = tmp_path / name
+        image.save(path)
+        api = clf.prepare(decode_image(path.read_bytes()))
+        np.testing.assert_array_equal(clf.prepare(str(path)), api, err_msg=name)
