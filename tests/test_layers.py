@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import rstmodel
-from rstmodel import layers as layers_module
+from rstmodel.layers import conv as conv_module
+from rstmodel.layers import kernels as kernels_module
 from rstmodel.basis import BasisFamily, BasisSpec, reference_spec, sample_basis
 from rstmodel.group import RSTElement, act_on_features, act_on_image
 from rstmodel.layers import (
@@ -354,7 +355,7 @@ def test_quarter_turn_sharing_is_used_only_where_it_is_exact(make, size):
 
 
 def test_quarter_turn_rows_are_a_permutation_and_its_inverse():
-    index, inverse = layers_module._quarter_turn_rows(6, 8, 3, torch.device("cpu"))
+    index, inverse = kernels_module._quarter_turn_rows(6, 8, 3, torch.device("cpu"))
     assert torch.equal(index.sort().values, torch.arange(6 * 6 * 8 * 3))
     assert torch.equal(index[inverse], torch.arange(index.numel()))
     # row (h, w, p, s, q) of map r = 2q + p turned back by q quarter turns
@@ -701,7 +702,7 @@ def test_tuned_conv_times_each_path_once_per_input_shape(monkeypatch):
         timed.append(_PATH_OF[path.__name__])
         return fake[timed[-1]]
 
-    monkeypatch.setattr(layers_module, "_time_path", fake_time)
+    monkeypatch.setattr(conv_module, "_time_path", fake_time)
     conv = GroupRSTConv(3, 4, SPEC, method="tuned").to(F64).eval()
     x = torch.randn(2, 3, 8, 2, 10, 10, dtype=F64)
     with torch.no_grad():
@@ -747,10 +748,10 @@ def test_gauss_product_equals_the_complex_product_with_gradients(grads):
         p.clone().requires_grad_(grads == "all" or (grads == "inputs") == (i < 2))
         for i, p in enumerate(parts)
     ]
-    y_re, y_im = layers_module._GaussProduct.apply(*parts)
+    y_re, y_im = kernels_module._GaussProduct.apply(*parts)
     torch.testing.assert_close(torch.complex(y_re, y_im), x @ g, rtol=1e-12, atol=1e-12)
     assert torch.autograd.gradcheck(
-        lambda *p: layers_module._GaussProduct.apply(*p), parts, eps=1e-6, atol=1e-8
+        lambda *p: kernels_module._GaussProduct.apply(*p), parts, eps=1e-6, atol=1e-8
     )
 
 

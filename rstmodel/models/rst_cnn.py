@@ -9,17 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from torch import Tensor, fx, nn
+from torch import Tensor, nn
 
 from ..basis import BasisFamily, BasisSpec, reference_spec
 from ..layers import (
     ConvMethod,
+    ConvPoolNorm,
     GroupMaxPool,
     GroupRSTConv,
     LiftingRSTConv,
     RotationTaps,
-    RSTBatchNorm,
-    RSTMaxPool,
 )
 from .registry import check_images, register_model
 
@@ -80,19 +79,6 @@ class RSTCNNConfig:
         return BasisSpec(self.basis, self.num_funcs, self.rotations, radii, self.kernel_sizes)
 
 
-class _ConvBlock(nn.Sequential):
-    """conv -> pool+ReLU -> BN. A lifting conv on its basis path runs fused with the pool
-    (``LiftingRSTConv.forward_pooled``): same values, a quarter of the memory. Traced
-    (export, baking), the block is the plain sequence."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        conv, pool, norm = self
-        fused = isinstance(conv, LiftingRSTConv) and isinstance(pool, RSTMaxPool)
-        if fused and not isinstance(x, fx.Proxy) and conv.pools_fused():
-            return norm(conv.forward_pooled(x, relu=pool.relu))
-        return super().forward(x)
-
-
 class RSTCNN(nn.Module):
     """x [B, Cin, N, N] -> logits [B, classes], invariant to 90-degree turns of the input."""
 
@@ -116,7 +102,7 @@ class RSTCNN(nn.Module):
                     tap_mode=config.tap_mode,
                     method=config.method,
                 )
-            blocks.append(_ConvBlock(conv, RSTMaxPool(relu=True), RSTBatchNorm(c)))
+            blocks.append(ConvPoolNorm(conv, c))
             cin = c
         self.blocks = nn.Sequential(*blocks)
         self.pool = GroupMaxPool(spatial=True)
