@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from train.run import CLASS_NAMES
+from rstmodel.data import CLASS_NAMES
 
 FASHION_CLASSES = list(CLASS_NAMES["rs-fashion"])
 TINY = {"rst_cnn_fb": {"channels": (4, 6, 8), "hidden": 16}, "cnn": {"channels": (4, 6, 8)}}

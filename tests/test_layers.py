@@ -11,8 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import rstmodel
-from rstmodel.layers import conv as conv_module
-from rstmodel.layers import kernels as kernels_module
 from rstmodel.basis import BasisFamily, BasisSpec, reference_spec, sample_basis
 from rstmodel.group import RSTElement, act_on_features, act_on_image
 from rstmodel.layers import (
@@ -24,6 +22,8 @@ from rstmodel.layers import (
     RSTBatchNorm,
     RSTMaxPool,
 )
+from rstmodel.layers import conv as conv_module
+from rstmodel.layers import kernels as kernels_module
 
 FB = BasisFamily.FOURIER_BESSEL
 SL = BasisFamily.STURM_LIOUVILLE

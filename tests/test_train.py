@@ -22,7 +22,7 @@ from rstmodel import create_model, load_checkpoint
 from rstmodel.data import ArrayDataset, RSConfig, VariantDataset, collate, load_rs
 from rstmodel.layers import ConvMethod
 from rstmodel.precision import bf16_supported, inference
-from train import fastpath, precision_check, report, resampling, run
+from train import engine, fastpath, precision_check, report, resampling, run
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "train" / "run.py"
@@ -291,7 +291,7 @@ def test_unwritable_out_fails_before_training(tmp_path, source, env, capsys):
 
 
 def test_too_little_disk_space_fails_before_training(tmp_path, source, env, monkeypatch, capsys):
-    monkeypatch.setattr(run.shutil, "disk_usage", lambda path: type("U", (), {"free": 4096})())
+    monkeypatch.setattr(engine.shutil, "disk_usage", lambda path: type("U", (), {"free": 4096})())
     out = tmp_path / "run"
     assert run.main(cli(source, out, "--epochs", "1")) == 2
     assert "MiB free" in capsys.readouterr().err
@@ -302,7 +302,7 @@ def test_disk_full_mid_checkpoint_is_one_line(tmp_path, source, env, monkeypatch
     def full(path, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(run, "save_checkpoint", full)
+    monkeypatch.setattr(engine, "save_checkpoint", full)
     monkeypatch.setattr(logging.root, "handlers", [])  # log to this test's captured stderr
     assert run.main(cli(source, tmp_path / "run", "--epochs", "1")) == 1
     err = capsys.readouterr().err
@@ -464,8 +464,8 @@ def test_train_resampling_reads_every_pipeline(tmp_path, source, env):
     training images; --test-resampling: the same test images by another pipeline."""
     argv = cli(source, tmp_path / "run", "--limit-train", "32", "--test-resampling", "pillow")
     args = run.parse_args([*argv, "--train-resampling", "bicubic", "antialiased", "bicubic"])
-    assert args.train_resampling == ["bicubic", "antialiased"]  # repeats dropped
-    data = run.load_rs_data(args)
+    assert args.train_resampling == ("bicubic", "antialiased")  # repeats dropped
+    data = engine.load_rs_data(args)
     assert type(data.train) is VariantDataset and data.train.batched
     assert "rendered by bicubic / antialiased" in data.description
     rendered = {}
@@ -496,7 +496,7 @@ def test_train_resampling_reads_every_pipeline(tmp_path, source, env):
     )
     assert not torch.equal(test.images, pillow.images)
 
-    plain = run.load_rs_data(run.parse_args(cli(source, tmp_path / "plain")))
+    plain = engine.load_rs_data(run.parse_args(cli(source, tmp_path / "plain")))
     assert type(plain.train) is ArrayDataset and "rendered by" not in plain.description
     assert set(plain.evals) == {"val", "test"}
 
@@ -505,12 +505,12 @@ def test_init_starts_from_the_checkpoint_weights(tmp_path, source, env, pipeline
     best = pipelines_run / "best.pt"
     saved = torch.load(best, weights_only=True)["state_dict"]
 
-    def trial(*extra: str) -> run.Trial:
+    def trial(*extra: str) -> engine.Trial:
         out = tmp_path / "trial"
         args = run.parse_args(cli(source, out, "--limit-train", "32", *TINY_CNN, *extra))
-        data = run.load_data(args)
-        cpu, stop = torch.device("cpu"), run.StopRequest()
-        return run.Trial(args, data, seed=0, out=out, device=cpu, stop=stop)
+        data = engine.load_data(args)
+        cpu, stop = torch.device("cpu"), engine.StopRequest()
+        return engine.Trial(args, data, seed=0, out=out, device=cpu, stop=stop)
 
     started = trial("--init", str(best)).model.state_dict()
     assert started.keys() == saved.keys()
@@ -558,7 +558,7 @@ def test_parser_rejects_missing_init_and_pipelines_off_rs_data(tmp_path, capsys)
     with pytest.raises(SystemExit):
         run.parse_args(["--train-resampling", "lanczos"])
     assert "invalid choice: 'lanczos'" in capsys.readouterr().err
-    assert run.parse_args(stl10).train_resampling == ["bicubic"]
+    assert run.parse_args(stl10).train_resampling == ("bicubic",)
 
 
 def test_resampling_report_per_pipeline(tmp_path, source, env, pipelines_run, capsys):
@@ -694,3 +694,40 @@ def test_inference_precision_context():
     else:
         with pytest.raises(ValueError, match="no native bfloat16"), inference("bf16"):
             pass
+
+
+def test_train_config_is_frozen_validated_and_varied_by_replace():
+    """The typed config the CLI parses into and the experiment runners build directly."""
+    import dataclasses
+
+    from train.config import RS_RECIPE, STL10_RECIPE, TrainConfig, settings_of
+
+    config = TrainConfig(model="cnn", train_size=2000, model_args={"hidden": 8})
+    assert (config.epochs, config.batch_size, config.lr) == (60, 128, 0.01)
+    assert config.recipe is RS_RECIPE and config.val_size == RS_RECIPE.val_size
+    assert config.out == Path("runs/cnn-rs-fashion-2000-r0-s0")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.epochs = 3  # type: ignore[misc]
+    fewer = dataclasses.replace(config, epochs=3, train_resampling=("bicubic", "pillow", "bicubic"))
+    assert fewer.epochs == 3 and fewer.train_resampling == ("bicubic", "pillow")
+    assert (
+        run.parse_args(["--model", "cnn", "--train-size", "2000", "--model-arg", "hidden=8"])
+        == config
+    )
+    stl = TrainConfig(model="cnn", data="stl10", stl10_root=Path("/x"))
+    assert stl.recipe is STL10_RECIPE and stl.train_size is None and stl.epochs == 1000
+    for bad, words in [
+        ({"epochs": 0}, "epochs must be at least 1"),
+        ({"model": "nope"}, "not registered"),
+        ({"data": "rs-fashion-upright"}, "choose from"),
+        ({"lr": 0.0}, "lr must be positive"),
+        ({"train_resampling": ("lanczos",)}, "choose from"),
+        ({"data": "stl10"}, "needs stl10_root"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            TrainConfig(**bad)
+    # a run on other images than the data set's protocol records them as such
+    upright = TrainConfig(model="cnn", data_label="rs-fashion-upright")
+    settings = settings_of(upright, seed=4)
+    assert settings["data"] == "rs-fashion-upright" and settings["seed"] == 4
+    assert settings["train_resampling"] == ["bicubic"]  # plain JSON, as checkpoints hold it

@@ -37,7 +37,8 @@ if __package__ in (None, ""):  # run as a script: python train/bench.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rstmodel.runtime import use_retaining_allocator
-from train import run  # noqa: E402
+from train import engine  # noqa: E402
+from train.config import TrainConfig, parse_model_arg  # noqa: E402
 
 DEFAULT_BATCH = {"cnn": 128, "rst_cnn_fb": 32}
 RESULT = "BENCH_RESULT "
@@ -87,34 +88,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def run_args(args: argparse.Namespace, model: str, augment: bool, batch: int) -> list[str]:
-    """train/run.py's command line for ``model`` (only its data and model path is used)."""
-    argv = ["--model", model, "--data", "rs-fashion", "--batch-size", str(batch)]
-    argv += ["--device", args.device, "--limit-test", "1", "--out", tempfile.gettempdir()]
-    if args.data_root is not None:
-        argv += ["--data-root", str(args.data_root)]
-    if args.workers is not None:
-        argv += ["--workers", str(args.workers)]
-    if args.bf16:
-        argv.append("--bf16")
-    for override in args.overrides.get(model, []):
-        argv += ["--model-arg", override]
-    return argv + (["--augment"] if augment else [])
-
-
-def make_trial(argv: list[str], procs: run.Distributed | None = None) -> run.Trial:
-    targs = run.parse_args(argv)
-    device = run.pick_device(targs.device, procs)
-    run.use_tf32(device, targs.tf32)  # the same step as train/run.py
-    if procs is not None:
-        procs.init(device)
-    data = run.load_data(targs)
-    return run.Trial(
-        targs, data, seed=0, out=targs.out, device=device, stop=run.StopRequest(), procs=procs
+def run_config(args: argparse.Namespace, model: str, augment: bool, batch: int) -> TrainConfig:
+    """The training config for ``model`` (only its data and model path is used)."""
+    return TrainConfig(
+        model=model,
+        data="rs-fashion",
+        batch_size=batch,
+        device=args.device,
+        limit_test=1,
+        out=Path(tempfile.gettempdir()),
+        data_root=args.data_root,
+        workers=args.workers,
+        bf16=args.bf16,
+        augment=augment,
+        model_args=dict(parse_model_arg(o) for o in args.overrides.get(model, [])),
     )
 
 
-def time_steps(trial: run.Trial, batches: Any, warmup: int, steps: int) -> float:
+def make_trial(config: TrainConfig, procs: engine.Distributed | None = None) -> engine.Trial:
+    device = engine.pick_device(config.device, procs)
+    engine.use_tf32(device, config.tf32)  # the same step as train/run.py
+    if procs is not None:
+        procs.init(device)
+    data = engine.load_data(config)
+    return engine.Trial(
+        config, data, seed=0, out=config.out, device=device, stop=engine.StopRequest(), procs=procs
+    )
+
+
+def time_steps(trial: engine.Trial, batches: Any, warmup: int, steps: int) -> float:
     """Seconds for ``steps`` training steps over ``batches`` after ``warmup`` untimed ones;
     fetching each batch and moving it to the device are part of the step."""
     device, model, optimizer = trial.device, trial.train_model, trial.optimizer
@@ -146,12 +148,12 @@ def time_steps(trial: run.Trial, batches: Any, warmup: int, steps: int) -> float
     return time.perf_counter() - began
 
 
-def loader_batches(trial: run.Trial) -> Any:
+def loader_batches(trial: engine.Trial) -> Any:
     """The training loader's batches, epoch after epoch (epochs reseeded as run.py does)."""
     for epoch in itertools.count(1):
-        trial.generator.manual_seed(run.epoch_seed(0, epoch))
+        trial.generator.manual_seed(engine.epoch_seed(0, epoch))
         if trial.sampler is not None:
-            trial.sampler.set_seed(run.epoch_seed(0, epoch))
+            trial.sampler.set_seed(engine.epoch_seed(0, epoch))
         yield from trial.train_loader
 
 
@@ -159,7 +161,7 @@ def measure_model(args: argparse.Namespace, model: str) -> dict[str, Any]:
     batch = args.batches.get(model, 64)
     row: dict[str, Any] = {"model": model, "batch": batch}
     for augment in (False, True):
-        trial = make_trial(run_args(args, model, augment, batch))
+        trial = make_trial(run_config(args, model, augment, batch))
         seconds = time_steps(trial, loader_batches(trial), args.warmup, args.steps)
         row["augment" if augment else "pipeline"] = batch * args.steps / seconds
         if not augment:  # after the pipeline, on the same (warm) model and optimizer
@@ -176,9 +178,9 @@ def measure_model(args: argparse.Namespace, model: str) -> dict[str, Any]:
 
 def ddp_worker(args: argparse.Namespace) -> None:
     """One process of the 1-vs-N comparison (under torchrun or alone); rank 0 prints."""
-    procs = run.Distributed.from_env()
+    procs = engine.Distributed.from_env()
     batch = args.batches.get(args.worker, 64)
-    trial = make_trial(run_args(args, args.worker, False, batch), procs)
+    trial = make_trial(run_config(args, args.worker, False, batch), procs)
     seconds = time_steps(trial, loader_batches(trial), args.warmup, args.steps)
     if procs.main:
         print(RESULT + json.dumps({"images_per_s": batch * args.steps / seconds}), flush=True)

@@ -58,6 +58,7 @@ from rstmodel import (
 )
 from rstmodel.basis import BasisFamily
 from rstmodel.runtime import use_retaining_allocator
+from train.engine import setup_cli
 from train.experiments import (
     SYNTHETIC,
     Stages,
@@ -70,7 +71,6 @@ from train.experiments import (
     stage_outputs,
     write_csv,
 )
-from train.run import setup_cli
 
 log = logging.getLogger("equivariance")
 

@@ -32,7 +32,8 @@ if __package__ in (None, ""):
 
 from rstmodel import create_model
 from rstmodel.layers import ConvMethod
-from train.run import parse_model_arg, use_tf32
+from train.config import parse_model_arg
+from train.engine import use_tf32
 
 
 @dataclass(frozen=True)

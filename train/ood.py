@@ -27,6 +27,7 @@ import logging
 import math
 import multiprocessing
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +40,16 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rstmodel import load_checkpoint
-from rstmodel.data import ArrayDataset, RandomRST, SourceNotFoundError, collate
+from rstmodel.data import CLASS_NAMES, ArrayDataset, RandomRST, SourceNotFoundError, collate
 from rstmodel.data.cache import default_cache_dir
 from rstmodel.data.rs import rotate_scale_upsize
 from rstmodel.data.sources import BaseDataset, find_source, load_source
 from rstmodel.data.stl10 import OOD_ANGLE_RANGE, OOD_SCALE_RANGE
 from rstmodel.runtime import use_retaining_allocator
-from train import report, run
+from train import engine, report
+from train.config import TrainConfig, parse_model_arg
 from train.experiments import plt, write_csv, write_json
-from train.reproduce import BUDGETS, Budget, shrink, train_trial
+from train.reproduce import BUDGETS, Budget, budget_config, shrink, train_trial
 
 log = logging.getLogger("ood")
 
@@ -80,7 +82,7 @@ def draw(rng: np.random.Generator, n: int, angles: tuple, scales: tuple):
     return rng.uniform(*angles, size=n), rng.uniform(*scales, size=n)
 
 
-def load_data(args: argparse.Namespace, budget: Budget, opts: dict[str, Any]) -> run.TrainData:
+def load_data(args: TrainConfig, budget: Budget, opts: dict[str, Any]) -> engine.TrainData:
     """Upright train / validation images and the ID, OOD and RS-range test sets."""
     base = BaseDataset.FASHION if opts["source"] == "fashion" else BaseDataset.MNIST
     info = find_source(
@@ -93,7 +95,7 @@ def load_data(args: argparse.Namespace, budget: Budget, opts: dict[str, Any]) ->
     n_tr, n_val = args.train_size, args.val_size
     n_test = min(budget.test_size or total, total - n_tr - n_val)
     if n_test < 1:
-        raise run.SetupError(
+        raise engine.SetupError(
             f"{total} images cannot hold {n_tr} train + {n_val} validation + a test set"
         )
     parts = np.split(order[: n_tr + n_val + n_test], [n_tr, n_tr + n_val])
@@ -104,16 +106,16 @@ def load_data(args: argparse.Namespace, budget: Budget, opts: dict[str, Any]) ->
 
     upright = ((0.0, 0.0), (1.0, 1.0))
     train_images = make(parts[0], *upright)
-    mean, std = run.channel_stats(train_images)
+    mean, std = engine.channel_stats(train_images)
     normalize = v2.Normalize(mean, std)
     train_transform = v2.Compose([RandomRST(), normalize]) if args.augment else normalize
     evals = {"val": ArrayDataset(make(parts[1], *upright), source.labels[parts[1]], normalize)}
     for name, ranges in TESTS.items():
         evals[name] = ArrayDataset(make(parts[2], *ranges), source.labels[parts[2]], normalize)
-    return run.TrainData(
+    return engine.TrainData(
         train=ArrayDataset(train_images, source.labels[parts[0]], train_transform),
         evals=evals,
-        class_names=run.CLASS_NAMES["rs-fashion" if base is BaseDataset.FASHION else "rs-mnist"],
+        class_names=CLASS_NAMES["rs-fashion" if base is BaseDataset.FASHION else "rs-mnist"],
         in_channels=1,
         input_size=budget.image_size,
         mean=mean,
@@ -138,26 +140,20 @@ def run_one(model: str, budget_name: str, opts: dict[str, Any]) -> dict[str, Any
         torch.set_num_threads(opts["threads"])
     budget = BUDGETS[budget_name]
     n_tr = opts["train_size"] or max(budget.train_sizes)
-    argv = ["--model", model, "--data", "rs-fashion", "--train-size", str(n_tr)]
-    argv += [
-        "--val-size",
-        str(budget.val_size),
-        "--epochs",
-        str(opts["epochs"] or budget.epochs[n_tr]),
-    ]
-    argv += ["--batch-size", str(budget.batch_size), "--out", str(opts["root"] / model)]
-    argv += ["--resume", "--device", opts["device"]]
-    if budget.test_size is not None:
-        argv += ["--limit-test", str(budget.test_size)]
-    if budget.widths is not None:
-        argv += ["--model-arg", f"channels={budget.widths[model]!r}"]
-    if budget.hidden is not None:
-        argv += ["--model-arg", f"hidden={budget.hidden}"]
-    args = run.parse_args(argv)
-    args.data = f"{opts['source']}-upright"
-    holder: dict[str, run.TrainData] = {}
+    args = budget_config(
+        model,
+        n_tr,
+        budget,
+        data="rs-fashion",
+        out=opts["root"] / model,
+        device=opts["device"],
+        data_label=f"{opts['source']}-upright",  # the images are upright, not RS
+    )
+    if opts["epochs"]:
+        args = replace(args, epochs=opts["epochs"])
+    holder: dict[str, engine.TrainData] = {}
 
-    def data() -> run.TrainData:
+    def data() -> engine.TrainData:
         holder["data"] = load_data(args, budget, opts)
         return holder["data"]
 
@@ -218,20 +214,24 @@ def run_stl10(args: argparse.Namespace) -> int:
     outs = []
     for model in args.models or STL10_MODELS:
         out = args.out / "stl10" / model
-        argv = ["--model", model, "--data", "stl10", "--stl10-root", str(args.stl10_root)]
-        argv += ["--out", str(out), "--resume", "--trials", str(args.trials or 3)]
-        argv += ["--device", args.device]
-        if args.epochs:
-            argv += ["--epochs", str(args.epochs)]
-        if args.batch_size:
-            argv += ["--batch-size", str(args.batch_size)]
-        if args.threads:
-            argv += ["--threads", str(args.threads)]
-        for arg in args.model_args:
-            argv += ["--model-arg", arg]
-        code = run.main(argv)
-        if code:
-            return code
+        config = TrainConfig(
+            model=model,
+            data="stl10",
+            stl10_root=args.stl10_root,
+            out=out,
+            resume=True,
+            trials=args.trials or 3,
+            device=args.device,
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            threads=args.threads,
+            model_args=dict(parse_model_arg(a) for a in args.model_args),
+        )
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        stop = engine.StopRequest()
+        with stop.installed():
+            engine.run_trials(config, stop)
         outs.append(out)
     table = report.report(report.load_summaries(report.find_summaries(outs)))
     (args.out / "stl10" / "table.md").write_text(table, encoding="utf-8")
@@ -274,7 +274,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    run.setup_cli()
+    engine.setup_cli()
     if args.stl10_root is not None:
         return run_stl10(args)
     models = args.models or list(MODELS)
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows = list(
                     pool.map(run_one, models, [args.budget] * len(models), [opts] * len(models))
                 )
-    except (run.SetupError, run.TrainingError, SourceNotFoundError) as err:
+    except (engine.SetupError, engine.TrainingError, SourceNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     title = (

@@ -55,8 +55,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rstmodel import create_model
-from rstmodel.data import ArrayDataset, RandomRST, RSConfig, load_rs
-from train import report, run
+from rstmodel.data import CLASS_NAMES, ArrayDataset, RandomRST, RSConfig, load_rs
+from train import engine, report
+from train.config import TrainConfig
 from train.experiments import plt, write_csv
 
 log = logging.getLogger("reproduce")
@@ -150,17 +151,17 @@ def shrink(images: np.ndarray, size: int) -> np.ndarray:
     return small[:, 0].round().clamp(0, 255).to(torch.uint8).numpy()
 
 
-def load_data(args: argparse.Namespace, budget: Budget, data_root: Path | None) -> run.TrainData:
+def load_data(args: TrainConfig, budget: Budget, data_root: Path | None) -> engine.TrainData:
     """train/run.py's RS data (same splits, normalisation and augmentation) at the budget's
     image size and validation / test sizes."""
     if budget.image_size == 56 and budget.test_size is None:
-        return run.load_rs_data(args)
+        return engine.load_rs_data(args)
     rs = load_rs(RSConfig(args.data, realisation=args.realization), data_root=data_root)
     rest = rs.images.shape[0] - args.train_size - args.val_size
     test_size = rest if budget.test_size is None else min(budget.test_size, rest)
     splits = rs.split(args.train_size, num_val=args.val_size, num_test=test_size)
     train_images = shrink(splits.train.images, budget.image_size)
-    mean, std = run.channel_stats(train_images)
+    mean, std = engine.channel_stats(train_images)
     normalize = v2.Normalize(mean, std)
     train_transform = v2.Compose([RandomRST(), normalize]) if args.augment else normalize
     evals = {
@@ -171,10 +172,10 @@ def load_data(args: argparse.Namespace, budget: Budget, data_root: Path | None) 
             shrink(splits.test.images, budget.image_size), splits.test.labels, normalize
         ),
     }
-    return run.TrainData(
+    return engine.TrainData(
         train=ArrayDataset(train_images, splits.train.labels, train_transform),
         evals=evals,
-        class_names=run.CLASS_NAMES[args.data],
+        class_names=CLASS_NAMES[args.data],
         in_channels=1,
         input_size=budget.image_size,
         mean=mean,
@@ -210,28 +211,45 @@ def plan(
     ]
 
 
-def run_argv(spec: RunSpec, budget: Budget, opts: dict[str, Any]) -> list[str]:
-    """train/run.py's command line for one run."""
-    argv = ["--model", spec.model, "--data", opts["data"], "--train-size", str(spec.train_size)]
-    argv += ["--val-size", str(budget.val_size), "--epochs", str(budget.epochs[spec.train_size])]
-    argv += ["--batch-size", str(budget.batch_size), "--realization", str(spec.trial)]
-    argv += ["--seed", str(spec.trial), "--out", str(opts["root"] / spec.name), "--resume"]
-    argv += ["--device", opts["device"]]
-    if budget.test_size is not None:
-        argv += ["--limit-test", str(budget.test_size)]
-    if opts["data_root"] is not None:
-        argv += ["--data-root", str(opts["data_root"])]
-    if spec.augment:
-        argv.append("--augment")
+def budget_config(model: str, train_size: int, budget: Budget, **fields: Any) -> TrainConfig:
+    """A model's training config at a budget (its sizes, epochs, batch and widths); the
+    other ``fields`` as given."""
+    model_args: dict[str, Any] = {}
     if budget.widths is not None:
-        argv += ["--model-arg", f"channels={budget.widths[spec.model]!r}"]
+        model_args["channels"] = budget.widths[model]
     if budget.hidden is not None:
-        argv += ["--model-arg", f"hidden={budget.hidden}"]
-    if opts.get("method") and spec.model != "cnn":
-        argv += ["--model-arg", f"method={opts['method']!r}"]
-    if opts.get("bf16"):
-        argv.append("--bf16")
-    return argv
+        model_args["hidden"] = budget.hidden
+    model_args |= fields.pop("model_args", {})
+    return TrainConfig(
+        model=model,
+        train_size=train_size,
+        val_size=budget.val_size,
+        epochs=budget.epochs[train_size],
+        batch_size=budget.batch_size,
+        limit_test=budget.test_size,
+        resume=True,
+        model_args=model_args,
+        **fields,
+    )
+
+
+def run_config(spec: RunSpec, budget: Budget, opts: dict[str, Any]) -> TrainConfig:
+    """The training config of one run."""
+    method = {"method": opts["method"]} if opts.get("method") and spec.model != "cnn" else {}
+    return budget_config(
+        spec.model,
+        spec.train_size,
+        budget,
+        data=opts["data"],
+        realization=spec.trial,
+        seed=spec.trial,
+        out=opts["root"] / spec.name,
+        device=opts["device"],
+        data_root=opts["data_root"],
+        augment=spec.augment,
+        bf16=bool(opts.get("bf16")),
+        model_args=method,
+    )
 
 
 def run_one(spec: RunSpec, budget: Budget, opts: dict[str, Any]) -> dict[str, Any]:
@@ -240,12 +258,12 @@ def run_one(spec: RunSpec, budget: Budget, opts: dict[str, Any]) -> dict[str, An
         torch.set_num_threads(opts["threads"])
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
-    args = run.parse_args(run_argv(spec, budget, opts))
+    args = run_config(spec, budget, opts)
     return train_trial(args, lambda: load_data(args, budget, opts["data_root"]))[1]
 
 
-def train_trial(args: argparse.Namespace, data) -> tuple[run.Trial, dict[str, Any]]:
-    """One train/run.py trial on ``data()`` (a run.TrainData, built under the folder lock)
+def train_trial(args: TrainConfig, data) -> tuple[engine.Trial, dict[str, Any]]:
+    """One train/run.py trial on ``data()`` (an engine.TrainData, built under the folder lock)
     in ``args.out``, logged to its train.log; resumes from last.pt, returns the summary."""
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -256,10 +274,10 @@ def train_trial(args: argparse.Namespace, data) -> tuple[run.Trial, dict[str, An
     train_log.setLevel(logging.INFO)
     train_log.addHandler(handler)
     try:
-        with run.folder_lock(out):
-            device = run.pick_device(args.device)
-            trial = run.Trial(
-                args, data(), seed=args.seed, out=out, device=device, stop=run.StopRequest()
+        with engine.folder_lock(out):
+            device = engine.pick_device(args.device)
+            trial = engine.Trial(
+                args, data(), seed=args.seed, out=out, device=device, stop=engine.StopRequest()
             )
             return trial, trial.run()
     finally:
@@ -331,9 +349,9 @@ def run_all(specs: list[RunSpec], budget: Budget, opts: dict[str, Any], jobs: in
             for spec in todo:
                 try:
                     record(spec, run_one(spec, budget, opts))
-                except (run.SetupError, run.TrainingError) as err:
+                except (engine.SetupError, engine.TrainingError) as err:
                     failed(spec, err)
-                except (run.Interrupted, KeyboardInterrupt) as stop:
+                except (engine.Interrupted, KeyboardInterrupt) as stop:
                     log.warning(
                         "%s stopped by %s; rerun the same command to resume", spec.name, stop
                     )
@@ -573,7 +591,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    run.setup_cli()
+    engine.setup_cli()
     budget = BUDGETS[args.budget]
     root = args.out / args.data / args.budget
     root.mkdir(parents=True, exist_ok=True)
@@ -606,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
     specs = plan(budget, args.models, args.augment, args.trials, args.train_sizes)
     try:
         summaries = run_all(specs, budget, opts, args.jobs)
-    except (run.SetupError, run.TrainingError) as err:
+    except (engine.SetupError, engine.TrainingError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     if not summaries:

@@ -53,6 +53,7 @@ from rstmodel import (
 from rstmodel.basis import BasisFamily
 from rstmodel.data import deform, jacobian_sup_norm
 from rstmodel.runtime import use_retaining_allocator
+from train.engine import setup_cli
 from train.experiments import (
     SYNTHETIC,
     Stages,
@@ -67,7 +68,6 @@ from train.experiments import (
     write_csv,
     write_json,
 )
-from train.run import setup_cli
 
 log = logging.getLogger("stability")
 

@@ -1,6 +1,7 @@
 """Data: offline sources, RS-MNIST / RS-Fashion, STL-10, RST and deformation transforms."""
 
 from .cache import default_cache_dir
+from .classes import CLASS_NAMES, STL10
 from .datasets import ArrayDataset, Batch, RotatedScaledDataset, VariantDataset, collate
 from .rs import (
     HELD_OUT_RESAMPLING,
@@ -28,6 +29,8 @@ from .stl10 import (
 from .transforms import Cutout, RandomRST, deform, jacobian_sup_norm, rotate_scale, warp
 
 __all__ = [
+    "CLASS_NAMES",
+    "STL10",
     "HELD_OUT_RESAMPLING",
     "NUM_REALISATIONS",
     "NUM_VAL",
