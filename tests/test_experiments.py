@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rstmodel import RSTElement, act_on_features, create_model, save_checkpoint
-from train import equivariance, ood, reproduce, run, stability
+from train import budgets, equivariance, ood, reproduce, run, stability
 from train.experiments import parse_element, stages_of, synthetic_images
 
 QUARTER = RSTElement(math.pi / 2, 0.0)
@@ -219,10 +219,10 @@ def idx_source(tmp_path_factory) -> Path:
 def test_shrink_keeps_the_image_centred():
     images = np.zeros((1, 56, 56), dtype=np.uint8)
     images[0, 26:30, 26:30] = 200  # a 4x4 square at the centre
-    small = reproduce.shrink(images, 32)
+    small = budgets.shrink(images, 32)
     assert small.shape == (1, 32, 32) and small.dtype == np.uint8
     assert (small[0, 15:17, 15:17] == 200).all() and small.sum() == 4 * 200
-    assert reproduce.shrink(images, 56) is images
+    assert budgets.shrink(images, 56) is images
 
 
 def test_reproduce_smoke(tmp_path, idx_source, monkeypatch):
@@ -286,11 +286,11 @@ def test_budget_data_sizes(tmp_path, idx_source, monkeypatch):
     monkeypatch.setenv("RSTCNN_DATA", str(tmp_path / "cache"))
     argv = ["--data", "rs-fashion", "--train-size", "64", "--val-size", "32"]
     args = run.parse_args([*argv, "--data-root", str(idx_source)])
-    full = reproduce.Budget(56, {64: 1}, 1, 32, None, None, train_sizes=(64,))
-    data = reproduce.load_data(args, full, idx_source)
+    full = budgets.Budget(56, {64: 1}, 1, 32, None, None, train_sizes=(64,))
+    data = budgets.load_data(args, full, idx_source)
     assert data.input_size == 56 and len(data.evals["test"]) == 300 - 64 - 32
-    smoke = reproduce.BUDGETS["smoke"]
-    data = reproduce.load_data(args, smoke, idx_source)
+    smoke = budgets.BUDGETS["smoke"]
+    data = budgets.load_data(args, smoke, idx_source)
     assert data.input_size == 32 and len(data.evals["test"]) == smoke.test_size
     assert data.train[0][0].shape == (1, 32, 32)
 
@@ -298,7 +298,7 @@ def test_budget_data_sizes(tmp_path, idx_source, monkeypatch):
 def test_reproduce_plan_order_and_committed_results(tmp_path, idx_source, monkeypatch):
     """The full protocol's order (no augmentation, larger N_tr, trial by trial, MODELS order);
     --results keeps finished runs and counts them as done on a later call elsewhere."""
-    full = reproduce.BUDGETS["full"]
+    full = budgets.BUDGETS["full"]
     specs = reproduce.plan(full, ["rst_cnn_fb", "cnn"], [True, False], 2)
     names = [s.name for s in specs]
     assert names[:4] == ["cnn-5000-t0", "rst_cnn_fb-5000-t0", "cnn-5000-t1", "rst_cnn_fb-5000-t1"]
