@@ -22,6 +22,7 @@ PAPER_MODELS = {
     "rst_cnn_plus_fb",
     "rst_cnn_plus_sl",
     "rot_cnn",
+    "rdcf_plus",
     "scale_cnn",
     "resnet16",
     "rst_resnet16",
@@ -34,6 +35,7 @@ ROTATION_INVARIANT = [
     "rst_cnn_plus_sl",
     "rst_cnn_fb_ref",
     "rot_cnn",
+    "rdcf_plus",
     "rst_resnet16",
 ]
 
@@ -133,6 +135,7 @@ def test_overrides_reach_the_config():
         ("scale_cnn", 500_000, 0.05),
         ("rst_cnn_plus_fb", 1_600_000, 0.05),
         ("rst_cnn_plus_sl", 1_600_000, 0.05),
+        ("rdcf_plus", 1_600_000, 0.05),
     ],
 )
 def test_parameter_counts_match_the_paper(name, target, tol):

@@ -30,6 +30,7 @@ MODELS = (
     "scale_cnn",
     "rst_cnn_plus_fb",
     "rst_cnn_plus_sl",
+    "rdcf_plus",
 )
 # ~12K parameters each at 32x32 with a 48-unit FC layer (channels ~(c, 2c, 3c), c fitted)
 REDUCED_WIDTHS = {
@@ -40,6 +41,7 @@ REDUCED_WIDTHS = {
     "rst_cnn_sl": (12, 24, 36),
     "rst_cnn_plus_fb": (5, 10, 16),
     "rst_cnn_plus_sl": (6, 13, 20),
+    "rdcf_plus": (5, 10, 16),
 }
 SMOKE_WIDTHS = dict.fromkeys(MODELS, (2, 3, 4))
 # training time per image relative to rst_cnn_fb at the reduced widths, from
@@ -52,6 +54,7 @@ RELATIVE_COST = {
     "rst_cnn_sl": 1.11,
     "rst_cnn_plus_fb": 0.84,
     "rst_cnn_plus_sl": 1.06,
+    "rdcf_plus": 0.2,  # not measured: taken as rot_cnn's
 }
 
 

@@ -48,6 +48,9 @@ PAPER_RS: dict[tuple[str, str], tuple[tuple[float, float], ...]] = {
         (84.09, 0.09),
     ),
 }
+# RDCF+ (the rotation-only peer with L_theta = 4, here ``rdcf_plus``), Tables 1-2
+PAPER_RS[("rdcf_plus", "rs-mnist")] = ((87.68, 0.52), (91.74, 0.37), (92.49, 0.28), (95.81, 0.11))
+PAPER_RS[("rdcf_plus", "rs-fashion")] = ((71.27, 0.34), (75.94, 0.35), (76.87, 0.57), (80.66, 0.48))
 # Paper Table 3 (STL-10, 3 trials): ID and OOD test accuracy in %.
 PAPER_STL10: dict[str, dict[str, tuple[float, float]]] = {
     "resnet16": {"test": (82.66, 0.53), "test_ood": (37.63, 1.95)},

@@ -179,6 +179,15 @@ def rot_cnn(**overrides) -> RSTCNN:
 
 
 @register_model
+def rdcf_plus(**overrides) -> RSTCNN:
+    """Rotation-only peer with inter-rotation taps (Ns=1, L_theta=4, like RDCF+): Nr=8, one
+    7x7 scale, K=12 FB, ~1.6M params (the widths of RST-CNN+(FB))."""
+    return _rst(num_scales=1, base_radius=3.5, rotation_taps=4, channels=(64, 127, 191))(
+        **overrides
+    )
+
+
+@register_model
 def scale_cnn(**overrides) -> RSTCNN:
     """Scale-only peer (Nr=1, like SDCF/SESN): Ns=4 scales, K=12 FB, ~500K params."""
     return _rst(rotations=1, channels=(69, 135, 204))(**overrides)
