@@ -27,7 +27,16 @@ Pixel coordinates: ``u = (x, y)`` with x to the right and y up, origin at the ke
 centre; row ``i`` and column ``j`` of a ``k x k`` kernel sit at
 ``x = j - (k - 1) / 2``, ``y = (k - 1) / 2 - i``.
 
-A third family reproduces the public code's basis (``reference_spec``) for like-for-like
+A third family, Hermite-Gaussian (HG), is the basis of the scale-equivariant steerable
+network SESN (Sosnovik, Szmaja, Smeulders, ICLR 2020), for the ``sesn`` peer:
+
+- ``psi_nm(x, y) = c_nm H_n(2 x) H_m(2 y) exp(-4 (x**2 + y**2))`` on the unit disk (H the
+  physicists' Hermite polynomials; the Gaussian's sigma is half the support radius, so the
+  envelope is e**-4 at the rim), ordered by degree ``n + m`` (then n), "eigenvalue"
+  ``n + m + 1``, ``c_nm`` giving the copy at the smallest scale and rotation 0 unit norm.
+  Not a Dirichlet eigenbasis: its scaled copies are related only through the sampling.
+
+A fourth family reproduces the public code's basis (``reference_spec``) for like-for-like
 comparison with published numbers; it is not the paper's construction.
 """
 
@@ -47,6 +56,7 @@ __all__ = [
     "Mode",
     "fb_modes",
     "sl_modes",
+    "hg_modes",
     "max_modes",
     "sample_basis",
     "reference_spec",
@@ -57,16 +67,17 @@ __all__ = [
 class BasisFamily(str, Enum):
     FOURIER_BESSEL = "fb"
     STURM_LIOUVILLE = "sl"
+    HERMITE_GAUSSIAN = "hg"  # SESN's basis
     REFERENCE = "reference"  # the public code's multi-dilation FB basis, K = 49
 
 
 @dataclass(frozen=True)
 class Mode:
-    """One Dirichlet eigenfunction. FB: (k, q, part); SL: (n, m, part=0)."""
+    """One basis function. FB: (k, q, part); SL and HG: (n, m, part=0)."""
 
     family: BasisFamily
-    a: int  # FB angular order k / SL x-frequency n
-    b: int  # FB radial index q / SL y-frequency m
+    a: int  # FB angular order k / SL x-frequency n / HG x-degree n
+    b: int  # FB radial index q / SL y-frequency m / HG y-degree m
     part: int  # FB: 0 = radial (k = 0), 1 = cos, 2 = sin; SL: 0
     eigenvalue: float  # mu: -Laplacian eigenvalue on the unit domain
 
@@ -76,6 +87,8 @@ _REF_MODES_PER_DILATION = 15
 _REF_DILATIONS = 4
 _REF_DILATION_FACTOR = 1.5
 _REF_RADIUS_PER_SIGMA = 3.5
+# HG: t = 2 u / radius, so the Gaussian exp(-t^2) has sigma = radius / 2 (e^-4 at the rim)
+_HG_T_PER_RADIUS = 2.0
 
 
 @dataclass(frozen=True)
@@ -163,6 +176,8 @@ class BasisSpec:
             return fb_modes(self.num_funcs)
         if self.family is BasisFamily.STURM_LIOUVILLE:
             return sl_modes(self.num_funcs)
+        if self.family is BasisFamily.HERMITE_GAUSSIAN:
+            return hg_modes(self.num_funcs)
         return _reference_modes()[: self.num_funcs]
 
     def eigenvalues(self) -> np.ndarray:
@@ -215,6 +230,20 @@ def sl_modes(count: int) -> tuple[Mode, ...]:
     )
 
 
+@cache
+def hg_modes(count: int) -> tuple[Mode, ...]:
+    """The ``count`` HG modes of lowest degree n + m (ties: smaller n first)."""
+    degree = 0
+    out: list[Mode] = []
+    while len(out) < count:
+        out += [
+            Mode(BasisFamily.HERMITE_GAUSSIAN, n, degree - n, 0, float(degree + 1))
+            for n in range(degree + 1)
+        ]
+        degree += 1
+    return tuple(out[:count])
+
+
 def max_modes(family: BasisFamily, radius: float) -> int:
     """How many lowest modes a disk of ``radius`` px samples below Nyquist (pi rad/px).
 
@@ -238,7 +267,16 @@ def max_modes(family: BasisFamily, radius: float) -> int:
                 return count
             count += 1
         return count
-    raise ValueError("max_modes is defined for the FB and SL families")
+    if family is BasisFamily.HERMITE_GAUSSIAN:
+        # H_n(t) e^(-t^2) oscillates at up to ~sqrt(2 n + 1) rad per unit of t, t = 2 u / radius
+        nmax = math.floor(((math.pi * radius / _HG_T_PER_RADIUS) ** 2 - 1) / 2 + 1e-12)
+        count = 0
+        for mode in hg_modes(2 * (nmax + 2) ** 2):
+            if max(mode.a, mode.b) > nmax:
+                return count
+            count += 1
+        return count
+    raise ValueError("max_modes is defined for the FB, SL and HG families")
 
 
 @lru_cache(maxsize=1)
@@ -262,6 +300,10 @@ def pixel_grid(size: int) -> tuple[np.ndarray, np.ndarray]:
 
 def evaluate(mode: Mode, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """The continuous mode on the unit domain at points (x, y); zero outside it."""
+    if mode.family is BasisFamily.HERMITE_GAUSSIAN:
+        tx, ty = _HG_T_PER_RADIUS * x, _HG_T_PER_RADIUS * y
+        v = special.eval_hermite(mode.a, tx) * special.eval_hermite(mode.b, ty)
+        return np.where(np.hypot(x, y) < 1, v * np.exp(-(tx * tx + ty * ty)), 0.0)
     if mode.family is BasisFamily.STURM_LIOUVILLE:
         inside = (np.abs(x) <= 1) & (np.abs(y) <= 1)
         v = np.sin(mode.a * np.pi * (x + 1) / 2) * np.sin(mode.b * np.pi * (y + 1) / 2)
@@ -303,7 +345,7 @@ def _sample(spec: BasisSpec) -> np.ndarray:
                 out[i, r, s] = _sample_one(spec, mode, s, radius, xr, yr) * window
     for r in range(quarter, spec.rotations):
         out[:, r] = np.rot90(out[:, r - quarter], 1, axes=(-2, -1))
-    if spec.family is BasisFamily.REFERENCE:
+    if spec.family in (BasisFamily.REFERENCE, BasisFamily.HERMITE_GAUSSIAN):
         # Each function normalised by its L2 norm at theta = 0, smallest scale.
         norms = np.sqrt((out[:, 0, 0] ** 2).sum(axis=(-2, -1)))
         out /= norms[:, None, None, None, None]
@@ -316,6 +358,8 @@ def _sample_one(
     rho0 = spec.scales[0]
     if spec.family is BasisFamily.FOURIER_BESSEL:
         return (rho0 / radius) ** 2 / rho0 * evaluate(mode, xr / radius, yr / radius)
+    if spec.family is BasisFamily.HERMITE_GAUSSIAN:  # normalised in _sample
+        return (rho0 / radius) ** 2 * evaluate(mode, xr / radius, yr / radius)
     if spec.family is BasisFamily.STURM_LIOUVILLE:
         half = radius / math.sqrt(2)
         # 1 / half normalises the inscribed square like 1 / rho_0 does the disk.

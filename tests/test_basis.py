@@ -22,6 +22,7 @@ from rstmodel.basis import (
 
 FB = BasisFamily.FOURIER_BESSEL
 SL = BasisFamily.STURM_LIOUVILLE
+HG = BasisFamily.HERMITE_GAUSSIAN
 RADII = tuple(2.5 * 3 ** (s / 3) for s in range(4))  # the models' radii: kernels 5, 7, 11, 15
 
 # (k, q, part) of the 12 smallest Bessel roots j_kq: 2.405, 3.832 x2, 5.136 x2, 5.520,
@@ -213,7 +214,7 @@ def test_sampled_norm_is_close_to_one_at_the_smallest_scale(family, num_funcs):
     np.testing.assert_allclose(norms, 1.0, atol=0.02)
 
 
-@pytest.mark.parametrize("family", [FB, SL])
+@pytest.mark.parametrize("family", [FB, SL, HG])
 def test_scale_relation_two_to_the_minus_two_alpha(family):
     """With rho_1 = 2 rho_0: basis[s=1](2u) = basis[s=0](u) / 4, i.e. 2**(-2 alpha) psi(2**-alpha u)."""
     spec = BasisSpec(family, 8, 8, (2.5, 5.0))
@@ -230,10 +231,11 @@ def test_scale_relation_two_to_the_minus_two_alpha(family):
     [
         BasisSpec(FB, 12, 8, RADII),
         BasisSpec(SL, 8, 8, RADII),
+        BasisSpec(HG, 10, 8, RADII),
         BasisSpec(FB, 12, 12, RADII[:2]),
         reference_spec(),
     ],
-    ids=["fb", "sl", "fb-nr12", "reference"],
+    ids=["fb", "sl", "hg", "fb-nr12", "reference"],
 )
 def test_quarter_turn_is_an_exact_permutation(spec):
     basis = sample_basis(spec)
@@ -350,3 +352,36 @@ def test_reference_spec_shape_windows_and_norm():
 def test_reference_spec_rejects_too_many_functions():
     with pytest.raises(ValueError):
         reference_spec(num_funcs=61)
+
+
+def test_hermite_gaussian_basis_is_sesns_family():
+    """SESN's basis: H_n(2x/rho) H_m(2y/rho) exp(-4 |u|^2 / rho^2) on the disk, lowest degree
+    first, unit norm at the smallest scale, aliasing-limited like the others."""
+    from scipy import special
+
+    spec = BasisSpec(HG, 10, 1, (2.5, 5.0))
+    basis = sample_basis(spec)
+    assert basis.shape == (10, 1, 2, 9, 9)
+    assert [(m.a, m.b) for m in spec.modes()][:6] == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (0, 2),
+        (1, 1),
+        (2, 0),
+    ]
+    assert [m.a + m.b for m in spec.modes()] == [0, 1, 1, 2, 2, 2, 3, 3, 3, 3]
+    np.testing.assert_allclose(np.sqrt((basis[:, 0, 0] ** 2).sum(axis=(-2, -1))), 1.0)
+    x, y = pixel_grid(9)
+    for s, rho in enumerate(spec.scales):
+        inside = np.hypot(x, y) < rho
+        for i, mode in enumerate(spec.modes()):
+            tx, ty = 2 * x / rho, 2 * y / rho
+            shape = special.eval_hermite(mode.a, tx) * special.eval_hermite(mode.b, ty)
+            shape = np.where(inside, shape * np.exp(-(tx**2 + ty**2)), 0.0)
+            big = np.abs(shape) > 1e-3 * np.abs(shape).max()
+            ratio = basis[i, 0, s][big] / shape[big]  # one constant per function and scale
+            np.testing.assert_allclose(ratio, ratio[0], rtol=1e-9)
+            assert not basis[i, 0, s][~inside].any()
+    with pytest.raises(ValueError, match="alias"):
+        BasisSpec(HG, 40, 1, (2.5,))

@@ -616,3 +616,22 @@ def test_quarter_turn_form_exports_and_runs_in_onnxruntime(tmp_path):
         expected = model(x).numpy()
     got = session(path).run(None, {"images": x.numpy()})[0]
     assert np.abs(got - expected).max() <= 1e-4 * max(np.abs(expected).max(), 1.0)
+
+
+@pytest.mark.parametrize("name", ["rdcf_plus", "sesn"])
+def test_the_paper_peers_export_and_match_through_onnxruntime(name, tmp_path):
+    """The peers take the same path as every model: checkpoint -> export/to_onnx.py's
+    export_onnx -> onnxruntime, with the eager model's logits."""
+    torch.manual_seed(0)
+    model = small_model(name)
+    train_steps(model, steps=2)
+    randomize_norms(model)
+    model.eval()
+    checkpoint = tmp_path / "model.pt"
+    save_small_checkpoint(checkpoint, model, name)
+    path, loaded, _ = export_onnx(checkpoint, tmp_path / "model.onnx")
+    x = torch.randn(3, *input_shape(model))
+    with torch.no_grad():
+        expected = loaded(x).numpy()
+    (got,) = session(path).run(None, {"images": x.numpy()})
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())

@@ -31,6 +31,7 @@ SPEC = BasisSpec(FB, 6, 8, (2.5, 2.5 * 2**0.5))  # kernels 5, 7; scale step 0.5
 SPEC_SL = BasisSpec(SL, 6, 8, (2.5, 2.5 * 2**0.5))
 SPEC3 = BasisSpec(FB, 6, 8, (2.5, 2.5 * 2**0.5, 5.0))  # kernels 5, 7, 9
 SPEC3_SL = BasisSpec(SL, 6, 8, (2.5, 2.5 * 2**0.5, 5.0))
+SPEC3_HG = BasisSpec(BasisFamily.HERMITE_GAUSSIAN, 6, 1, (2.5, 2.5 * 2**0.5, 5.0))  # SESN's
 SPEC_BIG = BasisSpec(FB, 6, 8, (2.5, 2.5 * 3**0.5, 7.5))  # kernels 5, 9, 15
 QUARTER = RSTElement(math.pi / 2)
 EIGHTH = RSTElement(2 * math.pi / 8)
@@ -201,7 +202,7 @@ def test_group_conv_is_approximately_equivariant_to_an_eighth_turn(spec, cfg, bl
     assert err < 0.5 * err_wrong
 
 
-@pytest.mark.parametrize("spec", [SPEC3, SPEC3_SL], ids=["fb", "sl"])
+@pytest.mark.parametrize("spec", [SPEC3, SPEC3_SL, SPEC3_HG], ids=["fb", "sl", "hg"])
 def test_lifting_is_approximately_equivariant_to_a_scale_step(spec, blobs, interior):
     """Scale s >= 1 of the lifted zoomed image = scale s - 1 of the lifted image, zoomed."""
     conv = LiftingRSTConv(2, 3, spec).to(F64)

@@ -24,6 +24,7 @@ PAPER_MODELS = {
     "rot_cnn",
     "rdcf_plus",
     "scale_cnn",
+    "sesn",
     "resnet16",
     "rst_resnet16",
 }
@@ -136,6 +137,7 @@ def test_overrides_reach_the_config():
         ("rst_cnn_plus_fb", 1_600_000, 0.05),
         ("rst_cnn_plus_sl", 1_600_000, 0.05),
         ("rdcf_plus", 1_600_000, 0.05),
+        ("sesn", 500_000, 0.05),
     ],
 )
 def test_parameter_counts_match_the_paper(name, target, tol):

@@ -31,6 +31,7 @@ MODELS = (
     "rst_cnn_plus_fb",
     "rst_cnn_plus_sl",
     "rdcf_plus",
+    "sesn",
 )
 # ~12K parameters each at 32x32 with a 48-unit FC layer (channels ~(c, 2c, 3c), c fitted)
 REDUCED_WIDTHS = {
@@ -42,6 +43,7 @@ REDUCED_WIDTHS = {
     "rst_cnn_plus_fb": (5, 10, 16),
     "rst_cnn_plus_sl": (6, 13, 20),
     "rdcf_plus": (5, 10, 16),
+    "sesn": (11, 22, 33),
 }
 SMOKE_WIDTHS = dict.fromkeys(MODELS, (2, 3, 4))
 # training time per image relative to rst_cnn_fb at the reduced widths, from
@@ -55,6 +57,7 @@ RELATIVE_COST = {
     "rst_cnn_plus_fb": 0.84,
     "rst_cnn_plus_sl": 1.06,
     "rdcf_plus": 0.2,  # not measured: taken as rot_cnn's
+    "sesn": 0.12,  # not measured: taken as scale_cnn's
 }
 
 

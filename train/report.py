@@ -51,6 +51,9 @@ PAPER_RS: dict[tuple[str, str], tuple[tuple[float, float], ...]] = {
 # RDCF+ (the rotation-only peer with L_theta = 4, here ``rdcf_plus``), Tables 1-2
 PAPER_RS[("rdcf_plus", "rs-mnist")] = ((87.68, 0.52), (91.74, 0.37), (92.49, 0.28), (95.81, 0.11))
 PAPER_RS[("rdcf_plus", "rs-fashion")] = ((71.27, 0.34), (75.94, 0.35), (76.87, 0.57), (80.66, 0.48))
+# SESN (the scale-only peer on the Hermite-Gaussian basis, here ``sesn``), Tables 1-2
+PAPER_RS[("sesn", "rs-mnist")] = ((84.58, 0.29), (90.19, 0.39), (90.33, 0.30), (93.40, 0.29))
+PAPER_RS[("sesn", "rs-fashion")] = ((66.28, 0.14), (72.19, 0.05), (69.43, 0.07), (75.85, 0.26))
 # Paper Table 3 (STL-10, 3 trials): ID and OOD test accuracy in %.
 PAPER_STL10: dict[str, dict[str, tuple[float, float]]] = {
     "resnet16": {"test": (82.66, 0.53), "test_ood": (37.63, 1.95)},

@@ -188,6 +188,15 @@ def rdcf_plus(**overrides) -> RSTCNN:
 
 
 @register_model
+def sesn(**overrides) -> RSTCNN:
+    """Scale-only peer on SESN's Hermite-Gaussian basis (Nr=1, Ns=4): K=10 HG functions of
+    degree <= 3, ~500K params."""
+    return _rst(
+        rotations=1, basis=BasisFamily.HERMITE_GAUSSIAN, num_funcs=10, channels=(75, 148, 223)
+    )(**overrides)
+
+
+@register_model
 def scale_cnn(**overrides) -> RSTCNN:
     """Scale-only peer (Nr=1, like SDCF/SESN): Ns=4 scales, K=12 FB, ~500K params."""
     return _rst(rotations=1, channels=(69, 135, 204))(**overrides)
