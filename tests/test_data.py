@@ -780,3 +780,19 @@ def test_real_fashion_mnist_subset(tmp_path):
     # rescaling by at most 1 keeps (nearly) all ink: the mean intensity ratio is ~ 4 s^2
     ratio = arrays["images"].reshape(200, -1).sum(1) / source.images[:200].reshape(200, -1).sum(1)
     assert np.corrcoef(ratio, arrays["scales"] ** 2)[0, 1] > 0.95
+
+
+def test_debian_versions_are_read_from_dpkgs_status_file(tmp_path):
+    """The data manifests record the Debian package's version without running dpkg-query."""
+    from rstmodel.data.sources import _debian_version
+
+    status = tmp_path / "status"
+    status.write_text(
+        "Package: dataset-fashion-mnist\nStatus: install ok installed\nVersion: 1.2-3\n"
+        "Description: x\n continued: line\n\n"
+        "Package: gone\nStatus: deinstall ok config-files\nVersion: 9\n"
+    )
+    assert _debian_version("dataset-fashion-mnist", status) == "1.2-3"
+    assert _debian_version("gone", status) is None  # removed, only its config left
+    assert _debian_version("absent", status) is None
+    assert _debian_version("dataset-fashion-mnist", tmp_path / "missing") is None

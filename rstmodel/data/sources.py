@@ -26,7 +26,6 @@ import importlib.util
 import io
 import json
 import logging
-import subprocess
 import tarfile
 import zipfile
 from collections.abc import Iterable
@@ -282,20 +281,23 @@ def file_sha256(paths: Iterable[Path]) -> str:
     return digest.hexdigest()
 
 
-def _debian_version(package: str) -> str | None:
+DPKG_STATUS = Path("/var/lib/dpkg/status")
+
+
+def _debian_version(package: str, status: Path = DPKG_STATUS) -> str | None:
+    """The installed version of a Debian package, read from dpkg's status file (no
+    process is run); None when it is not installed or the file is unreadable."""
     try:
-        out = subprocess.run(
-            ["dpkg-query", "-W", "-f=${Version}", package],
-            capture_output=True,
-            text=True,
-            check=False,
-            timeout=10,
+        text = status.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    for stanza in text.split("\n\n"):
+        fields = dict(
+            line.split(": ", 1) for line in stanza.splitlines() if ": " in line and line[0] != " "
         )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() or None
+        if fields.get("Package") == package and "installed" in fields.get("Status", "").split():
+            return fields.get("Version") or None
+    return None
 
 
 def _npm_version(tarball: Path) -> str | None:
