@@ -88,6 +88,20 @@ class _BasisConv(nn.Module):
             choice = self._tuned[key] = min(times, key=times.get)
         return choice
 
+    def resolve_method(self, x: Tensor | None = None) -> ConvMethod | None:
+        """The one method resolver: the path a call on ``x`` takes. A fixed ``method`` as
+        given; AUTO, and TUNED while training, the cheapest by multiply-adds
+        (``choose_method``); TUNED in eval mode None: the caller times its paths on ``x``
+        (``_fastest``)."""
+        if self.method is ConvMethod.TUNED and not self.training:
+            return None
+        if self.method in (ConvMethod.AUTO, ConvMethod.TUNED):
+            return self._cheapest(x)
+        return self.method
+
+    def _cheapest(self, x: Tensor | None) -> ConvMethod:
+        raise NotImplementedError
+
     def _add_bias(self, y: Tensor) -> Tensor:
         if self.bias is None:
             return y
@@ -172,15 +186,16 @@ class LiftingRSTConv(_BasisConv):
 
     def forward(self, x: Tensor) -> Tensor:
         self._check_images(x)
-        method = self.method
-        if method is ConvMethod.TUNED and not self.training:
+        method = self.resolve_method(x)
+        if method is None:
             paths = {ConvMethod.DIRECT: self.forward_direct, ConvMethod.BASIS: self.forward_basis}
             method = self._fastest(x, paths)
-        elif method in (ConvMethod.AUTO, ConvMethod.TUNED):
-            method = self.choose_method()
         if method is ConvMethod.DIRECT:
             return self._add_bias(self.forward_direct(x))
         return self.forward_basis(x, bias=self.bias)
+
+    def _cheapest(self, x: Tensor | None) -> ConvMethod:
+        return self.choose_method()
 
     def choose_method(self) -> ConvMethod:
         """DIRECT when Cout R kernels cost fewer multiply-adds than K R basis kernels plus
@@ -240,12 +255,7 @@ class LiftingRSTConv(_BasisConv):
     def pools_fused(self) -> bool:
         """Whether ``forward_pooled`` applies: the call would take the basis path (AUTO or
         BASIS; TUNED in eval mode times the unfused paths instead)."""
-        method = self.method
-        if method is ConvMethod.TUNED and not self.training:
-            return False
-        if method in (ConvMethod.AUTO, ConvMethod.TUNED):
-            method = self.choose_method()
-        return method is ConvMethod.BASIS
+        return self.resolve_method() is ConvMethod.BASIS
 
     def forward_pooled(self, x: Tensor, *, relu: bool) -> Tensor:
         """``RSTMaxPool(relu)(forward(x))`` on the basis path, without storing the
@@ -349,8 +359,8 @@ class GroupRSTConv(_BasisConv):
         _check_features(
             x, self.in_channels, self.spec.rotations, self.spec.num_scales, "GroupRSTConv"
         )
-        method = self.method
-        if method is ConvMethod.TUNED and not self.training:
+        method = self.resolve_method(x)
+        if method is None:
             paths = {
                 ConvMethod.DIRECT: self.forward_direct,
                 ConvMethod.BASIS: self.forward_basis,
@@ -358,13 +368,16 @@ class GroupRSTConv(_BasisConv):
             }
             allowed = self.method_costs(x.shape[0], x.shape[-2], x.shape[-1])
             method = self._fastest(x, {m: paths[m] for m in allowed})
-        elif method in (ConvMethod.AUTO, ConvMethod.TUNED):
-            method = self.choose_method(x.shape[0], x.shape[-2], x.shape[-1])
         if method is ConvMethod.DIRECT:
             return self._add_bias(self.forward_direct(x))
         if method is ConvMethod.BASIS:
             return self._add_bias(self.forward_basis(x))
         return self.forward_fft(x, bias=self.bias)
+
+    def _cheapest(self, x: Tensor | None) -> ConvMethod:
+        if x is None:
+            raise ValueError("GroupRSTConv's cheapest path depends on the input's shape")
+        return self.choose_method(x.shape[0], x.shape[-2], x.shape[-1])
 
     def choose_method(self, batch: int, h: int, w: int) -> ConvMethod:
         """The cheapest path by multiply-adds (``method_costs``)."""
