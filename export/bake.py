@@ -69,16 +69,16 @@ from rstmodel.layers import (
     LiftingRSTConv,
     RSTBatchNorm,
     RSTMaxPool,
+    RSTPointwise,
 )
-from rstmodel.models.resnet import _Pointwise
 
 __all__ = ["bake", "check_quarter_turns", "DIRECT", "BASIS", "FormRule"]
 
 DIRECT, BASIS = ConvMethod.DIRECT, ConvMethod.BASIS
 
-_RST_LAYERS = (LiftingRSTConv, GroupRSTConv, RSTBatchNorm, RSTMaxPool, GroupMaxPool, _Pointwise)
+_RST_LAYERS = (LiftingRSTConv, GroupRSTConv, RSTBatchNorm, RSTMaxPool, GroupMaxPool, RSTPointwise)
 _NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, RSTBatchNorm)
-_LINEAR_MAPS = (nn.Conv2d, nn.Conv3d, nn.Linear, LiftingRSTConv, GroupRSTConv, _Pointwise)
+_LINEAR_MAPS = (nn.Conv2d, nn.Conv3d, nn.Linear, LiftingRSTConv, GroupRSTConv, RSTPointwise)
 _RESHAPES = (nn.Identity, nn.Dropout, nn.Flatten)  # identities up to a reshape
 _MAX_POOLS = (nn.MaxPool2d, nn.AdaptiveMaxPool2d, GroupMaxPool)
 
@@ -254,14 +254,14 @@ def _shift_commuting(m: nn.Module) -> bool:
 def _out_channels(m: nn.Module) -> int:
     if isinstance(m, nn.Linear):
         return m.out_features
-    if isinstance(m, _Pointwise):
+    if isinstance(m, RSTPointwise):
         return m.conv.out_channels
     return m.out_channels
 
 
 def _scale_outputs(m: nn.Module, scale: Tensor, shift: Tensor) -> None:
     """Replace output channel o of a linear map ``f`` by ``scale[o] f_o + shift[o]``."""
-    if isinstance(m, _Pointwise):
+    if isinstance(m, RSTPointwise):
         m = m.conv
     w = m.weight
     w.copy_(w.double() * scale.view(-1, *([1] * (w.dim() - 1))))
@@ -534,7 +534,7 @@ class _Pool2x2(nn.Module):
         return self.relu(y) if self.relu is not None else y
 
 
-def _pointwise(m: _Pointwise) -> nn.Conv2d:
+def _pointwise(m: RSTPointwise) -> nn.Conv2d:
     conv = m.conv
     return _static_conv(conv.weight.detach().flatten(1).unflatten(1, (-1, 1, 1)), conv.bias)
 
@@ -568,7 +568,7 @@ def _swap_layers(graph: fx.GraphModule, group: int, form: FormRule, copies: int 
             new = _Pool2x2(m.relu)
         elif isinstance(m, GroupMaxPool):
             new = _BakedGroupPool(group // copies, m.spatial, copies)
-        elif isinstance(m, _Pointwise):
+        elif isinstance(m, RSTPointwise):
             new = _pointwise(m)
         elif isinstance(m, nn.AdaptiveMaxPool2d):
             new = _max_pool_for(m, node.args[0].meta["tensor_meta"].shape[-2:])

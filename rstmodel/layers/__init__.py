@@ -28,7 +28,7 @@ an optimiser step, ``train()`` or ``load_state_dict`` never leaves a stale cache
 
 from .blocks import ConvPoolNorm
 from .common import ConvMethod, RotationTaps, fft_size, is_spatial_major
-from .conv import GroupRSTConv, LiftingRSTConv
+from .conv import GroupRSTConv, LiftingRSTConv, RSTPointwise
 from .norm import RSTBatchNorm
 from .pooling import GroupMaxPool, RSTMaxPool
 
@@ -37,6 +37,7 @@ __all__ = [
     "RotationTaps",
     "LiftingRSTConv",
     "GroupRSTConv",
+    "RSTPointwise",
     "RSTBatchNorm",
     "RSTMaxPool",
     "GroupMaxPool",

@@ -29,7 +29,7 @@ from .kernels import (
 )
 from .pooling import _check_even
 
-__all__ = ["LiftingRSTConv", "GroupRSTConv"]
+__all__ = ["LiftingRSTConv", "GroupRSTConv", "RSTPointwise"]
 
 
 class _BasisConv(nn.Module):
@@ -597,3 +597,15 @@ class GroupRSTConv(_BasisConv):
                 xr = torch.cat([xr, torch.zeros_like(xr[:, :, :, : self.scale_taps - 1])], dim=3)
             taps += [xr[:, :, :, la : la + nsc] for la in range(self.scale_taps)]
         return torch.stack(taps, dim=-1)
+
+
+class RSTPointwise(nn.Module):
+    """Channel mixing shared by every (r, s): an equivariant 1x1 conv.
+    x [B, Cin, R, S, H, W] -> [B, Cout, R, S, H, W]."""
+
+    def __init__(self, cin: int, cout: int):
+        super().__init__()
+        self.conv = nn.Conv3d(cin, cout, 1, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(x.flatten(2, 3)).unflatten(2, x.shape[2:4])

@@ -20,6 +20,7 @@ from ..layers import (
     LiftingRSTConv,
     RSTBatchNorm,
     RSTMaxPool,
+    RSTPointwise,
 )
 from .registry import check_images, register_model
 
@@ -75,18 +76,6 @@ class _Block(nn.Module):
         y = self.conv1(self.relu(self.norm1(x)))
         y = self.conv2(self.relu(self.norm2(self.pool(y))))
         return y + self.shortcut(x)
-
-
-class _Pointwise(nn.Module):
-    """Channel mixing shared by every (r, s): an equivariant 1x1 conv.
-    x [B, Cin, R, S, H, W] -> [B, Cout, R, S, H, W]."""
-
-    def __init__(self, cin: int, cout: int):
-        super().__init__()
-        self.conv = nn.Conv3d(cin, cout, 1, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.conv(x.flatten(2, 3)).unflatten(2, x.shape[2:4])
 
 
 class _Shortcut(nn.Module):
@@ -166,7 +155,7 @@ class RSTResNet16(nn.Module):
             lambda i, o: GroupRSTConv(i, o, spec, bias=False, method=config.method),
             RSTBatchNorm,
             lambda: RSTMaxPool(),
-            _Pointwise,
+            RSTPointwise,
         )
         self.out = nn.Sequential(RSTBatchNorm(config.widths[-1]), nn.ReLU())
         self.pool = GroupMaxPool(spatial=True)
