@@ -519,10 +519,11 @@ def _analyse(
         with limits.sweeps.enter() if limits is not None else contextlib.nullcontext():
             done: list[StabilityReport] = []
             for stage, following in zip(SWEEP_NAMES, [*SWEEP_NAMES[1:], None], strict=True):
-                for name, clf in models:  # each sweep's result shows as it lands
-                    done.append(
-                        measure_stability([clf], pixels, spec=spec, names=[name], sweeps=[stage])
-                    )
+                # every model on this sweep (one batch each, the sweep's images built once)
+                clfs = [clf for _, clf in models]
+                done.append(
+                    measure_stability(clfs, pixels, spec=spec, names=models.names, sweeps=[stage])
+                )
                 if following:
                     yield [
                         f"{described}; {', '.join(SWEEP_NAMES[: SWEEP_NAMES.index(stage) + 1])}"

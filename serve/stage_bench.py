@@ -31,8 +31,7 @@ def measure(models: Sequence[Classifier], image, spec: SweepSpec) -> dict[str, f
     start = time.perf_counter()
     first = None
     for stage in SWEEP_NAMES:
-        for clf in models:
-            measure_stability([clf], image, spec=spec, sweeps=[stage])
+        measure_stability(models, image, spec=spec, sweeps=[stage])
         first = first if first is not None else time.perf_counter() - start
     staged = time.perf_counter() - start
     return {"one_batch_s": whole, "staged_s": staged, "rotation_shown_s": first}

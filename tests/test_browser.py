@@ -78,10 +78,7 @@ def test_page_classifies_an_uploaded_test_image(server, tmp_path):
                 ".filter(i => i.complete && i.naturalWidth > 0).length >= 18",
                 timeout=30_000,
             )
-            shown = [
-                page.inner_text(f"#label-{i} [data-testid=label-output-value]").strip()
-                for i in range(2)
-            ]
+            shown = _shown_labels(page)
             plot_width = page.eval_on_selector("#stability-plot img", "img => img.naturalWidth")
             thumbs = page.eval_on_selector_all(
                 "#sweep-gallery img", "imgs => imgs.filter(i => i.naturalWidth > 0).length"
@@ -113,6 +110,13 @@ def test_page_classifies_an_uploaded_test_image(server, tmp_path):
     status, plots, badges = error_page  # an error clears the old results and stays written
     assert "This file cannot be classified" in status and "not an image" in status
     assert plots == 0 and badges == 0
+
+
+def _shown_labels(page) -> list[str]:
+    """Each model's top-1 label as the page shows it."""
+    return [
+        page.inner_text(f"#label-{i} [data-testid=label-output-value]").strip() for i in range(2)
+    ]
 
 
 def _api_labels(url: str, image) -> list[str]:
@@ -167,9 +171,7 @@ def _click_gallery_image(page, index: int) -> list[str]:
     )
     selected = page.inner_text("[role=tab][aria-selected=true]").strip()
     assert selected == "Upload", selected
-    return [
-        page.inner_text(f"#label-{i} [data-testid=label-output-value]").strip() for i in range(2)
-    ]
+    return _shown_labels(page)
 
 
 def _draw_and_run(page) -> str:
@@ -250,10 +252,7 @@ def test_a_link_runs_its_gallery_image_and_the_result_downloads_as_json(server):
                 " && document.querySelector('#status').innerText.includes('one batch per model')",
                 timeout=90_000,
             )
-            shown = [
-                page.inner_text(f"#label-{i} [data-testid=label-output-value]").strip()
-                for i in range(2)
-            ]
+            shown = _shown_labels(page)
             page.wait_for_selector("#sweep-json a[href]", timeout=30_000)
             href = page.eval_on_selector("#sweep-json a[href]", "a => a.href")
             plain = browser.new_page()

@@ -150,9 +150,8 @@ class TrainConfig:
         put("model_args", dict(self.model_args))
         put("train_resampling", tuple(dict.fromkeys(self.train_resampling)))
         put("test_resampling", tuple(dict.fromkeys(self.test_resampling)))
-        for name in ("epochs", "batch_size", "trials", "limit_train", "limit_test"):
-            self._at_least(name, 1)
-        for name in ("train_size", "threads"):
+        at_least_one = ("epochs", "batch_size", "trials", "limit_train", "limit_test")
+        for name in (*at_least_one, "train_size", "threads"):
             self._at_least(name, 1)
         for name in ("val_size", "workers", "seed", "realization"):
             self._at_least(name, 0)
