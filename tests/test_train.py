@@ -6,6 +6,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -205,75 +206,85 @@ def test_killed_and_interrupted_runs_resume_exactly(tmp_path, source, env):
 
 def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
     """scripts/gpu_session.sh, what a lent GPU machine runs, on the CPU with a tiny budget:
-    it renders the source by every pipeline, times the fast path, runs the protocol and the
-    resampling fine-tunes side by side with its flags, and leaves exactly the files that
-    come back."""
-    out, work = tmp_path / "out", tmp_path / "work"
+    it renders the protocol's realisations, times and profiles the fast path, runs the
+    protocol's shards side by side with its flags into the committed record, carries an
+    unfinished run to the next call, and leaves exactly the files that come back."""
+    out, work, record = tmp_path / "out", tmp_path / "work", tmp_path / "record"
     settings = {
         "DEVICE": "cpu",
-        "DEADLINE": "150",
-        "TRAIN_SIZE": "256",
-        "VAL_SIZE": "64",
-        "LIMIT_TEST": "64",
-        "FT_EPOCHS": "1",
-        "INIT_DIR": "",  # the fine-tunes start from scratch
+        "DEADLINE": "300",
         "REPRO_BUDGET": "smoke",
         "REPRO_SIZES": "64",
-        "MODEL_ARGS": "channels=(4,6,8)",
-        "FASTPATH_ARGS": "--steps 1 --batch 8",
+        "RESULTS": str(record),
+        "SHARDS": "rst_cnn_fb@1 cnn,scale_cnn@2",
+        "FASTPATH_ARGS": "--steps 1 --batch 8 --profile --model-arg channels=(4,6,8)",
         "DATA_ROOT": str(source["root"]),
         "WORK": str(work),
         "OUT": str(out),
         "PY": sys.executable,
         "RSTCNN_ALLOCATOR": "system",
     }
-    proc = subprocess.run(
-        ["bash", "scripts/gpu_session.sh"],
-        cwd=REPO,
-        env={**os.environ, **settings},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "data ready: 5 renderings" in proc.stdout, proc.stdout
-    assert "fastest training setting: flags" in proc.stdout, proc.stdout
-    assert "deadline: Ctrl-C" not in proc.stdout  # every run finished in time
-    files = sorted(p.name for p in out.iterdir())
-    assert files == [
-        "cnn.pt",
+
+    def session(**more):
+        proc = subprocess.run(
+            ["bash", "scripts/gpu_session.sh"],
+            cwd=REPO,
+            env={**os.environ, **settings, **more},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc.stdout
+
+    stdout = session()
+    assert "data ready: 3 renderings" in stdout, stdout
+    assert "fastest training setting: flags" in stdout and "device busy per step" in stdout
+    assert "past the deadline" not in stdout  # every shard finished in time
+    assert sorted(p.name for p in out.iterdir()) == [
         "fastpath.json",
         "fastpath.md",
-        "reproduce.tgz",
-        "results.tgz",
-        "rst_cnn_fb.pt",
+        "logs.tgz",
+        "profile.md",
+        "record.tgz",
     ]
     assert {row["model"] for row in json.loads((out / "fastpath.json").read_text())} == {
         "cnn",
         "rst_cnn_fb",
     }
-    for name in ("rst_cnn_fb", "cnn"):
-        model, meta = load_checkpoint(out / f"{name}.pt")
-        assert meta.model_name == name and meta.config["channels"] == (4, 6, 8)
-        assert 0 <= meta.metrics["test_acc"] <= 1 and 0 <= meta.metrics["test_pillow_acc"] <= 1
-        assert meta.extra["run"]["train_resampling"] == [
-            "bicubic",
-            "bilinear",
-            "bicubic-uint8",
-            "antialiased",
-        ]
-    with tarfile.open(out / "reproduce.tgz") as tar:
-        summaries = [n for n in tar.getnames() if n.endswith("/summary.json")]
-        models = sorted(json.load(tar.extractfile(n))["model"] for n in summaries)
-    assert models == ["cnn", "rst_cnn_fb"], summaries
-    with tarfile.open(out / "results.tgz") as tar:
-        names = set(tar.getnames())
+    assert "| kernel | launches / step |" in (out / "profile.md").read_text()
+    runs = sorted(p.name for p in (record / "runs").iterdir())
+    assert runs == [
+        "cnn-64-t0",
+        "cnn-64-t1",
+        "rst_cnn_fb-64-t0",
+        "scale_cnn-64-t0",
+        "scale_cnn-64-t1",
+    ]
+    with tarfile.open(out / "record.tgz") as tar:
+        names = [n for n in tar.getnames() if n.endswith("/summary.json")]
+    assert len(names) == 5
+    with tarfile.open(out / "logs.tgz") as tar:
         log = tar.extractfile("logs/session.log").read().decode()
-        summary = json.load(tar.extractfile("robust/rst_cnn_fb/summary.json"))
-    assert {"logs/fastpath.log", "robust/cnn/summary.json", "robust/cnn/train.log"} <= names
-    assert "fastest training setting" in log and "robust rst_cnn_fb: " in log
-    assert summary["epochs"] == 1 and summary["train_images"] == 256
-    assert summary["test_size"] == summary["test_pillow_size"] == 64
+        assert "logs/fastpath.log" in tar.getnames()
+    assert "finished runs in the record: cnn-64-t0 cnn-64-t1 rst_cnn_fb-64-t0" in log
+
+    # an unfinished run (last.pt, no summary) carried in as RESUME is picked up where it
+    # stopped: here rst_cnn_fb's trial with its summary taken away from both places
+    resume = tmp_path / "resume"
+    shutil.copytree(work / "reproduce", resume)
+    (resume / "rs-fashion" / "smoke" / "rst_cnn_fb-64-t0" / "summary.json").unlink()
+    shutil.rmtree(record / "runs" / "rst_cnn_fb-64-t0")
+    shutil.rmtree(work)
+    stdout = session(
+        SHARDS="rst_cnn_fb@1",
+        RESUME=str(resume),
+        FASTPATH_ARGS=settings["FASTPATH_ARGS"].replace(" --profile", ""),
+    )
+    assert "resuming" in (work / "logs" / "reproduce-rst_cnn_fb.log").read_text().lower()
+    summary = json.loads((record / "runs" / "rst_cnn_fb-64-t0" / "summary.json").read_text())
+    assert summary["epochs"] == 1 and summary["train_images"] == 64
+    assert not (out / "resume.tgz").exists()  # nothing left unfinished
 
 
 def test_tf32_flag():

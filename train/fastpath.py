@@ -8,7 +8,10 @@ For ``--model`` (default rst_cnn_fb) and the plain ``cnn`` baseline: the trainin
 for each setting in ``TRAIN_SETTINGS`` / ``EVAL_SETTINGS``: float32, TF32 matrix products,
 bfloat16 autocast, and the convolution method (the automatic choice by multiply-adds, the
 per-scale direct form on cuDNN / oneDNN, TUNED: each layer times its forms on the first
-call). ``--compile`` also times ``torch.compile`` of the fastest eval setting. Prints a
+call). ``--settings`` picks some of them (default: all). ``--profile`` then profiles the
+fastest training setting's step (torch.profiler: the GPU's busy fraction, kernel launches per
+step, the kernels and operators that take the time) into ``profile.md``. ``--compile`` also
+times ``torch.compile`` of that training step and of the fastest eval setting. Prints a
 markdown table with the ratio of each figure to the CNN in the same setting, writes it and a
 JSON copy to ``--out``, and prints the fastest training setting as train/run.py flags on its
 last line (``FLAGS: ...``), which scripts/gpu_session.sh passes on.
@@ -91,9 +94,11 @@ def build(name: str, setting: Setting, overrides: dict, device: torch.device):
     return create_model(name, **kwargs).to(device)
 
 
-def measure_train(name, setting, overrides, device, batch, warmup, steps) -> dict:
+def train_step(name, setting, overrides, device, batch, compiled=False):
+    """One training step (forward, backward, Adam) of a fresh model on a random batch."""
     model = build(name, setting, overrides, device).train()
     cfg = model.config
+    forward = torch.compile(model) if compiled else model
     x = torch.randn(batch, cfg.in_channels, cfg.input_size, cfg.input_size, device=device)
     y = torch.randint(0, cfg.num_classes, (batch,), device=device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -104,10 +109,15 @@ def measure_train(name, setting, overrides, device, batch, warmup, steps) -> dic
     def step() -> None:
         opt.zero_grad(set_to_none=True)
         with autocast:
-            loss = F.cross_entropy(model(x), y)
+            loss = F.cross_entropy(forward(x), y)
         loss.backward()
         opt.step()
 
+    return step
+
+
+def measure_train(name, setting, overrides, device, batch, warmup, steps, compiled=False):
+    step = train_step(name, setting, overrides, device, batch, compiled)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     seconds = _timed(step, device, warmup, steps)
@@ -135,6 +145,8 @@ def run_grid(args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
     rows = []
     for setting in EVAL_SETTINGS:
+        if args.settings and setting.name not in args.settings:
+            continue
         use_tf32(device, setting.precision != "fp32")
         for name in dict.fromkeys(["cnn", args.model]):
             if name == "cnn" and setting.method is not ConvMethod.AUTO:
@@ -148,23 +160,105 @@ def run_grid(args: argparse.Namespace) -> list[dict]:
             print(json.dumps(row), flush=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    if args.compile:
-        evals = [r for r in rows if r["model"] == args.model]
-        best = min(evals, key=lambda r: r["eval1_ms"])
-        setting = next(s for s in EVAL_SETTINGS if s.name == best["setting"])
+    return rows
+
+
+def setting_of(row: dict) -> Setting:
+    return next(s for s in EVAL_SETTINGS if s.name == row["setting"])
+
+
+def run_compiled(args: argparse.Namespace, rows: list[dict]) -> list[dict]:
+    """``torch.compile`` of the fastest training setting's step and of the fastest eval
+    setting; the seconds the first calls took (compilation) are recorded beside each."""
+    device = torch.device(args.device)
+    out = []
+    evals = [r for r in rows if r["model"] == args.model and r.get("eval1_ms") is not None]
+    jobs = [("train", setting_of(fastest_training(rows, args.model)))]
+    jobs += [("eval", setting_of(min(evals, key=lambda r: r["eval1_ms"])))] if evals else []
+    for kind, setting in jobs:
         use_tf32(device, setting.precision != "fp32")
+        row = {"model": args.model, "setting": f"{setting.name} compiled", "flags": []}
         started = time.perf_counter()
         try:
-            row = {"model": args.model, "setting": f"{setting.name} compiled", "flags": []}
-            row |= measure_eval(
-                args.model, setting, args.model_args, device, args.batch, 2, args.steps, True
-            )
-            row["compile_s"] = time.perf_counter() - started
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            if kind == "train":
+                row |= measure_train(
+                    args.model, setting, args.model_args, device, args.batch, 2, args.steps, True
+                )
+            else:
+                row |= measure_eval(
+                    args.model, setting, args.model_args, device, args.batch, 2, args.steps, True
+                )
         except Exception as err:  # a compiler failure is a finding, not a crash
-            print(f"torch.compile failed after {time.perf_counter() - started:.0f} s: {err!r}")
-    return rows
+            elapsed = time.perf_counter() - started
+            print(f"torch.compile ({kind}) failed after {elapsed:.0f} s: {err!r}", flush=True)
+            continue
+        row[f"{kind}_compile_s"] = time.perf_counter() - started
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
+def _merged_us(spans: list[tuple[float, float]]) -> float:
+    """Microseconds covered by the union of ``(start, end)`` spans."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def profile_training(args: argparse.Namespace, row: dict, steps: int = 3) -> str:
+    """torch.profiler over ``steps`` training steps of one setting: wall time per step, the
+    time the device was busy (the union of its kernels' spans), kernel launches per step,
+    and the kernels and operators that take the device's time, as markdown."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device(args.device)
+    setting = setting_of(row)
+    use_tf32(device, setting.precision != "fp32")
+    step = train_step(args.model, setting, args.model_args, device, args.batch)
+    for _ in range(2):
+        step()
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+        torch.cuda.synchronize(device)
+    with profile(activities=activities) as prof:
+        started = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall_us = (time.perf_counter() - started) * 1e6 / steps
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy_us = _merged_us([(e.time_range.start, e.time_range.end) for e in kernels]) / steps
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name[:90], []).append(e.time_range.elapsed_us())
+    lines = [
+        f"# Profile: {args.model}, {setting.name}, training step at batch {args.batch}",
+        "",
+        f"- wall time per step: {wall_us / 1e3:.2f} ms",
+        f"- device busy per step: {busy_us / 1e3:.2f} ms ({busy_us / wall_us:.0%} of the wall)",
+        f"- kernel launches per step: {len(kernels) / steps:.0f}",
+        "",
+        "| kernel | launches / step | ms / step | share of busy |",
+        "|---|---|---|---|",
+    ]
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+    for name, spans in ranked[:25]:
+        ms = sum(spans) / steps / 1e3
+        share = f"{sum(spans) / steps / busy_us:.1%}" if busy_us else ""
+        lines.append(f"| `{name}` | {len(spans) / steps:.0f} | {ms:.3f} | {share} |")
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    ops = sorted(prof.key_averages(), key=lambda e: -getattr(e, key))
+    lines += ["", f"| operator | calls / step | {key} ms / step |", "|---|---|---|"]
+    for e in ops[:25]:
+        ms = getattr(e, key) / steps / 1e3
+        lines.append(f"| `{e.key[:90]}` | {e.count / steps:.0f} | {ms:.3f} |")
+    return "\n".join(lines) + "\n"
 
 
 def table(rows: list[dict], model: str) -> str:
@@ -188,6 +282,13 @@ def table(rows: list[dict], model: str) -> str:
             f"{fmt(r.get('eval_s'), '.4f')} | {fmt(r.get('eval1_ms'), '.2f')} | "
             f"{ratio(r, 'train_s')} | {ratio(r, 'eval_s')} | {ratio(r, 'eval1_ms')} |"
         )
+    for r in rows:
+        for kind in ("train", "eval"):
+            if f"{kind}_compile_s" in r:
+                lines.append(
+                    f"\n{r['setting']} ({kind}): the first calls (compilation) took "
+                    f"{r[f'{kind}_compile_s']:.0f} s"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -213,24 +314,52 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="config override of --model, a Python literal",
     )
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        choices=[s.name for s in EVAL_SETTINGS],
+        metavar="NAME",
+        help="measure only these settings (default: all): "
+        + ", ".join(repr(s.name) for s in EVAL_SETTINGS),
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="profile the fastest training setting's step"
+    )
     parser.add_argument("--compile", action="store_true", help="also time torch.compile")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     args.model_args = dict(args.model_args)
     if args.steps < 1 or args.batch < 1:
         parser.error("--steps and --batch must be positive")
-    rows = run_grid(args)
-    text = table(rows, args.model)
-    best = fastest_training(rows, args.model)
+    if args.settings and not any(s.name in args.settings for s in TRAIN_SETTINGS):
+        parser.error("--settings needs at least one training setting: fp32, tf32, bf16, ...")
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    text = f"{device}, torch {torch.__version__}, batch {args.batch}\n\n{text}"
-    text += f"\nfastest training setting: {best['setting']} ({best['train_s']:.4f} s per step)\n"
-    print(text, end="")
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "fastpath.md").write_text(text, encoding="utf-8")
-        (args.out / "fastpath.json").write_text(json.dumps(rows, indent=2) + "\n", "utf-8")
-    print("FLAGS: " + " ".join(best["flags"]))
+
+    def write(rows: list[dict]) -> dict:
+        """Print and save the table so far (a later stage may be cut off by a timeout)."""
+        best = fastest_training(rows, args.model)
+        text = f"{device}, torch {torch.__version__}, batch {args.batch}\n\n"
+        text += table(rows, args.model)
+        text += (
+            f"\nfastest training setting: {best['setting']} ({best['train_s']:.4f} s per step)\n"
+        )
+        print(text, end="", flush=True)
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "fastpath.md").write_text(text, encoding="utf-8")
+            (args.out / "fastpath.json").write_text(json.dumps(rows, indent=2) + "\n", "utf-8")
+        return best
+
+    rows = run_grid(args)
+    best = write(rows)
+    print("FLAGS: " + " ".join(best["flags"]), flush=True)
+    if args.profile:
+        text = profile_training(args, best)
+        print(text, end="", flush=True)
+        if args.out is not None:
+            (args.out / "profile.md").write_text(text, encoding="utf-8")
+    if args.compile:
+        write(rows + run_compiled(args, rows))
     return 0
 
 

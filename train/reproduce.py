@@ -422,6 +422,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--measure", action="store_true", help="only measure each model's throughput"
     )
+    parser.add_argument(
+        "--report",
+        action="store_true",
+        help="train nothing: write the tables from the runs already finished (in --out and "
+        "--results), e.g. after several calls filled different cells",
+    )
     args = parser.parse_args(argv)
     args.trials = args.trials or BUDGETS[args.budget].trials
     if args.jobs < 1 or args.trials < 1:
@@ -469,14 +475,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.deadline is not None:  # as Ctrl-C: each trial stops at its next batch boundary
         signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
         signal.setitimer(signal.ITIMER_REAL, args.deadline)
-    (root / "protocol.md").write_text(protocol_text(args, budget, argv), encoding="utf-8")
-    (root / "budget.json").write_text(json.dumps(asdict(budget), default=str, indent=2), "utf-8")
     specs = plan(budget, args.models, args.augment, args.trials, args.train_sizes)
-    try:
-        summaries = run_all(specs, budget, opts, args.jobs)
-    except (engine.SetupError, engine.TrainingError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    if args.report:
+        done = (finished(root, spec, args.results) for spec in specs)
+        summaries = [summary for summary in done if summary is not None]
+    else:
+        (root / "protocol.md").write_text(protocol_text(args, budget, argv), encoding="utf-8")
+        (root / "budget.json").write_text(
+            json.dumps(asdict(budget), default=str, indent=2), "utf-8"
+        )
+        try:
+            summaries = run_all(specs, budget, opts, args.jobs)
+        except (engine.SetupError, engine.TrainingError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
     if not summaries:
         print("error: no run finished", file=sys.stderr)
         return 1
@@ -489,13 +501,13 @@ def main(argv: list[str] | None = None) -> int:
         (folder / "table_wide.md").write_text(wide_table(rows, args.data), encoding="utf-8")
         plot(rows, args.data, args.budget, folder / "accuracy.png")
         log.info("wrote %s", folder)
-    if args.results:
+    if args.results and not args.report:
         keep(root, args.results, summaries)
         (args.results / "protocol.md").write_text(
             protocol_text(args, budget, argv), encoding="utf-8"
         )
     print(table, end="")
-    return 0 if len(summaries) == len(specs) else 1
+    return 0 if args.report or len(summaries) == len(specs) else 1
 
 
 if __name__ == "__main__":
