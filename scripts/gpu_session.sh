@@ -12,11 +12,12 @@
 #    torch.compile of that step; the fastest setting is what the runs below train with;
 # 3. the paper's protocol (train/reproduce.py --budget REPRO_BUDGET, N_tr REPRO_SIZES) as
 #    SHARDS side by side, each shard one process with its own --deadline (a run cut off keeps
-#    last.pt and resumes next time from resume.tgz), plus tests/test_cuda.py. Finished runs
+#    last.pt and resumes next time from its resume-<run>.tgz), plus tests/test_cuda.py. Finished runs
 #    land in the committed record RESULTS (results/reproduce/rs-fashion-full).
-# Comes back in $OUT: fastpath.md, fastpath.json, profile.md, record.tgz (RESULTS: each
-# finished run's summary and metrics), resume.tgz (the unfinished runs' folders, to carry
-# into the next call as RESUME), logs.tgz.
+# Comes back in $OUT: logs.tgz (logs/, and fastpath/: fastpath.md, fastpath.json,
+# profile.md), record.tgz (RESULTS: each finished run's summary and metrics, kept as each run
+# finishes), resume-<run>.tgz (each unfinished run's folder: unpack all into .gpu_resume/ and
+# carry it into the next call, RESUME).
 #
 # The machine has no apt and no internet: carry the Fashion-MNIST IDX files in .gpu_data/
 # (mkdir -p .gpu_data && cp /usr/share/datasets/fashion-mnist/*.gz .gpu_data/).
@@ -32,7 +33,7 @@ SHARDS="${SHARDS:-rst_cnn_fb@2 cnn,scale_cnn@3 rot_cnn@3 sesn@3 rst_cnn_sl@1}"
 FASTPATH_SETTINGS="${FASTPATH_SETTINGS:-fp32;bf16}"  # train/fastpath.py's names, ';'-separated
 FASTPATH_ARGS="${FASTPATH_ARGS---profile --compile}"
 FASTPATH_TIMEOUT="${FASTPATH_TIMEOUT:-180}"
-RESUME="${RESUME:-.gpu_resume}"      # unfinished runs carried from the last call (resume.tgz)
+RESUME="${RESUME:-.gpu_resume}"      # unfinished runs carried from the last call (resume-*.tgz)
 DATA_ROOT="${DATA_ROOT:-.gpu_data}"  # the Fashion-MNIST IDX files
 OUT="${OUT:-$PWD/runs/gpu-out}"
 WORK="${WORK:-/tmp/rstcnn-gpu}"
@@ -50,21 +51,16 @@ log() { echo "[gpu +$((SECONDS))s] $*" | tee -a "$LOG"; }
 [[ -d "$RESUME" ]] && cp -r "$RESUME"/. "$WORK/reproduce/"
 
 collect() {  # what has appeared so far -> $OUT (comes back even if the call is cut off)
-    local name unfinished=()
-    for name in fastpath.md fastpath.json profile.md; do
-        [[ -f "$WORK/fastpath/$name" ]] && cp -f "$WORK/fastpath/$name" "$OUT/$name"
-    done
+    local run
+    (cd "$WORK" && tar czf "$OUT/fastpath.tmp" $(ls -d fastpath logs 2>/dev/null)) \
+        && mv -f "$OUT/fastpath.tmp" "$OUT/logs.tgz"
     tar czf "$OUT/record.tmp" "$RESULTS" && mv -f "$OUT/record.tmp" "$OUT/record.tgz"
-    for name in "$WORK"/reproduce/*/*/*/; do
-        [[ -f "$name/last.pt" && ! -f "$name/summary.json" ]] && unfinished+=("${name#"$WORK/reproduce/"}")
+    rm -f "$OUT"/resume-*.tgz  # one file per unfinished run (a file comes back up to 16 MiB)
+    for run in "$WORK"/reproduce/*/*/*/; do
+        [[ -f "$run/last.pt" && ! -f "$run/summary.json" ]] || continue
+        (cd "$WORK/reproduce" && tar czf "$OUT/resume-$(basename "$run").tgz" \
+            --exclude='.lock' --exclude='.*.tmp' "${run#"$WORK/reproduce/"}")
     done
-    if (( ${#unfinished[@]} )); then
-        (cd "$WORK/reproduce" && tar czf "$OUT/resume.tmp" "${unfinished[@]}") \
-            && mv -f "$OUT/resume.tmp" "$OUT/resume.tgz"
-    else
-        rm -f "$OUT/resume.tgz"
-    fi
-    (cd "$WORK" && tar czf "$OUT/logs.tmp" logs) && mv -f "$OUT/logs.tmp" "$OUT/logs.tgz"
 }
 
 log "python $PY, device $DEVICE, deadline ${DEADLINE}s, shards: $SHARDS"

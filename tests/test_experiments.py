@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rstmodel import RSTElement, act_on_features, create_model, save_checkpoint
-from train import budgets, equivariance, ood, reproduce, run, stability
+from train import budgets, engine, equivariance, ood, reproduce, run, stability
 from train.experiments import parse_element, stages_of, synthetic_images
 
 QUARTER = RSTElement(math.pi / 2, 0.0)
@@ -321,3 +321,62 @@ def test_reproduce_plan_order_and_committed_results(tmp_path, idx_source, monkey
     elsewhere = tmp_path / "elsewhere"
     assert reproduce.main([*argv, "--out", str(elsewhere)]) == 0
     assert not (elsewhere / "rs-fashion" / "smoke" / "cnn-64-t0").exists()  # not trained again
+
+
+def test_reproduce_keeps_each_run_as_it_finishes_and_reports(tmp_path, idx_source, monkeypatch):
+    """A call stopped in its second run has already put the first in the committed record;
+    --report writes the tables from the record without training anything."""
+    monkeypatch.setenv("RSTCNN_DATA", str(tmp_path / "cache"))
+    out, kept = tmp_path / "out", tmp_path / "kept"
+    argv = ["--data", "rs-fashion", "--budget", "smoke", "--models", "cnn", "--augment", "no"]
+    argv += ["--data-root", str(idx_source), "--threads", "1", "--results", str(kept)]
+    real_run_one = reproduce.run_one
+
+    def stop_in_second(spec, budget, opts):
+        if spec.trial == 1:
+            raise KeyboardInterrupt
+        return real_run_one(spec, budget, opts)
+
+    monkeypatch.setattr(reproduce, "run_one", stop_in_second)
+    assert reproduce.main([*argv, "--trials", "2", "--out", str(out)]) == 1
+    assert (kept / "runs" / "cnn-64-t0" / "summary.json").is_file()
+    assert not (kept / "runs" / "cnn-64-t1").exists()
+    monkeypatch.setattr(reproduce, "run_one", lambda *a: pytest.fail("--report trained"))
+    (kept / "table.md").unlink()
+    assert reproduce.main([*argv, "--trials", "2", "--report", "--out", str(tmp_path / "o2")]) == 0
+    assert "| cnn | rs-fashion | 64 | no | ID | 1 |" in (kept / "table.md").read_text()
+
+
+def test_train_trial_stops_on_sigint_even_when_started_ignoring_it(tmp_path, idx_source):
+    """reproduce.py --deadline sends itself SIGINT, and a job started in the background by a
+    script starts with SIGINT ignored: train_trial installs its own handler, so the trial
+    stops at the next batch boundary either way instead of running on."""
+    import os
+    import signal
+
+    full = budgets.BUDGETS["smoke"]
+    args = budgets.budget_config(
+        "cnn",
+        64,
+        full,
+        data="rs-fashion",
+        realization=0,
+        seed=0,
+        out=tmp_path / "run",
+        device="cpu",
+        data_root=idx_source,
+    )
+
+    def data():
+        loaded = budgets.load_data(args, full, idx_source)
+        os.kill(os.getpid(), signal.SIGINT)  # arrives once the handler is in place
+        return loaded
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with pytest.raises(engine.Interrupted):
+            budgets.train_trial(args, data)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # restored afterwards
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert not (tmp_path / "run" / "summary.json").exists()

@@ -216,6 +216,7 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
         "REPRO_BUDGET": "smoke",
         "REPRO_SIZES": "64",
         "RESULTS": str(record),
+        "RESUME": str(tmp_path / "nothing-to-resume"),
         "SHARDS": "rst_cnn_fb@1 cnn,scale_cnn@2",
         "FASTPATH_ARGS": "--steps 1 --batch 8 --profile --model-arg channels=(4,6,8)",
         "DATA_ROOT": str(source["root"]),
@@ -241,18 +242,15 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
     assert "data ready: 3 renderings" in stdout, stdout
     assert "fastest training setting: flags" in stdout and "device busy per step" in stdout
     assert "past the deadline" not in stdout  # every shard finished in time
-    assert sorted(p.name for p in out.iterdir()) == [
-        "fastpath.json",
-        "fastpath.md",
-        "logs.tgz",
-        "profile.md",
-        "record.tgz",
-    ]
-    assert {row["model"] for row in json.loads((out / "fastpath.json").read_text())} == {
-        "cnn",
-        "rst_cnn_fb",
-    }
-    assert "| kernel | launches / step |" in (out / "profile.md").read_text()
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tgz", "record.tgz"]
+    with tarfile.open(out / "logs.tgz") as tar:
+        rows = json.load(tar.extractfile("fastpath/fastpath.json"))
+        assert {row["model"] for row in rows} == {"cnn", "rst_cnn_fb"}
+        assert (
+            "| kernel | launches / step |" in tar.extractfile("fastpath/profile.md").read().decode()
+        )
+        log = tar.extractfile("logs/session.log").read().decode()
+        assert "logs/fastpath.log" in tar.getnames()
     runs = sorted(p.name for p in (record / "runs").iterdir())
     assert runs == [
         "cnn-64-t0",
@@ -264,16 +262,15 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
     with tarfile.open(out / "record.tgz") as tar:
         names = [n for n in tar.getnames() if n.endswith("/summary.json")]
     assert len(names) == 5
-    with tarfile.open(out / "logs.tgz") as tar:
-        log = tar.extractfile("logs/session.log").read().decode()
-        assert "logs/fastpath.log" in tar.getnames()
     assert "finished runs in the record: cnn-64-t0 cnn-64-t1 rst_cnn_fb-64-t0" in log
 
     # an unfinished run (last.pt, no summary) carried in as RESUME is picked up where it
-    # stopped: here rst_cnn_fb's trial with its summary taken away from both places
+    # stopped (rst_cnn_fb's trial, its summary taken away from both places); one no shard
+    # runs comes back as its own resume-<run>.tgz
     resume = tmp_path / "resume"
     shutil.copytree(work / "reproduce", resume)
-    (resume / "rs-fashion" / "smoke" / "rst_cnn_fb-64-t0" / "summary.json").unlink()
+    for name in ("rst_cnn_fb-64-t0", "scale_cnn-64-t1"):  # scale_cnn: in no shard this time
+        (resume / "rs-fashion" / "smoke" / name / "summary.json").unlink()
     shutil.rmtree(record / "runs" / "rst_cnn_fb-64-t0")
     shutil.rmtree(work)
     stdout = session(
@@ -284,7 +281,9 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
     assert "resuming" in (work / "logs" / "reproduce-rst_cnn_fb.log").read_text().lower()
     summary = json.loads((record / "runs" / "rst_cnn_fb-64-t0" / "summary.json").read_text())
     assert summary["epochs"] == 1 and summary["train_images"] == 64
-    assert not (out / "resume.tgz").exists()  # nothing left unfinished
+    assert sorted(p.name for p in out.glob("resume-*.tgz")) == ["resume-scale_cnn-64-t1.tgz"]
+    with tarfile.open(out / "resume-scale_cnn-64-t1.tgz") as tar:
+        assert "rs-fashion/smoke/scale_cnn-64-t1/last.pt" in tar.getnames()
 
 
 def test_tf32_flag():

@@ -7,7 +7,9 @@ RS data, reduced to the budget's image size) and one trial trained in its folder
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,12 +171,18 @@ def train_trial(args: TrainConfig, data) -> tuple[engine.Trial, dict[str, Any]]:
     level = train_log.level
     train_log.setLevel(logging.INFO)
     train_log.addHandler(handler)
+    stop = engine.StopRequest()
+    # Ctrl-C / SIGTERM (reproduce.py --deadline sends itself SIGINT) stop the trial at a batch
+    # boundary; installed here, it also overrides the SIGINT a background job starts ignoring
+    signals = (
+        stop.installed()
+        if threading.current_thread() is threading.main_thread()
+        else (contextlib.nullcontext())
+    )
     try:
-        with engine.folder_lock(out):
+        with engine.folder_lock(out), signals:
             device = engine.pick_device(args.device)
-            trial = engine.Trial(
-                args, data(), seed=args.seed, out=out, device=device, stop=engine.StopRequest()
-            )
+            trial = engine.Trial(args, data(), seed=args.seed, out=out, device=device, stop=stop)
             return trial, trial.run()
     finally:
         train_log.removeHandler(handler)

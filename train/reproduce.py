@@ -154,16 +154,18 @@ def finished(root: Path, spec: RunSpec, results: Path | None = None) -> dict[str
     return None
 
 
-def keep(root: Path, results: Path, summaries: list[dict[str, Any]]) -> None:
-    """Copy each finished run's summary and per-epoch metrics to ``results/runs/<run>/``, the
-    committed record that later calls (and other machines) count as done."""
-    for folder in sorted(root.iterdir()) if root.is_dir() else []:
-        if (folder / "summary.json").is_file():
-            dest = results / "runs" / folder.name
-            dest.mkdir(parents=True, exist_ok=True)
-            for name in ("summary.json", "metrics.jsonl"):
-                if (folder / name).is_file():
-                    shutil.copyfile(folder / name, dest / name)
+def keep(root: Path, results: Path, name: str) -> None:
+    """Copy a finished run's summary and per-epoch metrics from ``root/<name>/`` to
+    ``results/runs/<name>/``, the committed record that later calls (and other machines)
+    count as done; done as each run finishes, so a call cut off later loses none."""
+    folder, dest = root / name, results / "runs" / name
+    if (folder / "summary.json").is_file():
+        dest.mkdir(parents=True, exist_ok=True)
+        for file in ("metrics.jsonl", "summary.json"):  # the summary last: it marks "done"
+            if (folder / file).is_file():
+                tmp = dest / f".{file}.tmp"
+                shutil.copyfile(folder / file, tmp)
+                tmp.replace(dest / file)
 
 
 def run_all(specs: list[RunSpec], budget: Budget, opts: dict[str, Any], jobs: int) -> list[dict]:
@@ -179,6 +181,8 @@ def run_all(specs: list[RunSpec], budget: Budget, opts: dict[str, Any], jobs: in
 
     def record(spec: RunSpec, summary: dict[str, Any]) -> None:
         done[spec] = summary
+        if opts.get("results"):
+            keep(opts["root"], opts["results"], spec.name)
         bar.update(round(run_cost(spec, budget)))
         log.info(
             "%s: test %.2f %% (%.0f s); %d to go, %.0f s elapsed",
@@ -502,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
         plot(rows, args.data, args.budget, folder / "accuracy.png")
         log.info("wrote %s", folder)
     if args.results and not args.report:
-        keep(root, args.results, summaries)
+        for spec in specs:  # runs finished in --out by an earlier call, too
+            keep(root, args.results, spec.name)
         (args.results / "protocol.md").write_text(
             protocol_text(args, budget, argv), encoding="utf-8"
         )
