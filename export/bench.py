@@ -33,7 +33,7 @@ from torch import nn
 import rstmodel
 from export.bake import bake
 from export.to_onnx import export_model
-from rstmodel.runtime import use_retaining_allocator
+from train.runtime import use_retaining_allocator
 
 FORMS = ("eager", "baked", "onnx")
 

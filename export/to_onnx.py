@@ -53,7 +53,7 @@ from export.bake import bake, check_quarter_turns
 from export.precision import GATE_POINTS, PRECISIONS, convert, gate, record_gate
 from rstmodel.checkpoint import CheckpointMeta, load_checkpoint
 from rstmodel.layers import GroupRSTConv, LiftingRSTConv
-from rstmodel.runtime import use_retaining_allocator
+from train.runtime import use_retaining_allocator
 
 __all__ = [
     "TOLERANCE",

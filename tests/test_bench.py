@@ -1,4 +1,4 @@
-"""``python -m rstmodel.bench``: the RST/CNN table and the old-against-new comparison."""
+"""``python -m train.model_bench``: the RST/CNN table and the old-against-new comparison."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "rstmodel.bench", "--batch", "2", "--repeats", "1", *args]
+    cmd = [sys.executable, "-m", "train.model_bench", "--batch", "2", "--repeats", "1", *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 

@@ -36,9 +36,9 @@ import torch
 if __package__ in (None, ""):  # run as a script: python train/bench.py
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rstmodel.runtime import use_retaining_allocator
 from train import engine  # noqa: E402
 from train.config import TrainConfig, parse_model_arg  # noqa: E402
+from train.runtime import use_retaining_allocator
 
 DEFAULT_BATCH = {"cnn": 128, "rst_cnn_fb": 32}
 RESULT = "BENCH_RESULT "

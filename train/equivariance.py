@@ -57,7 +57,6 @@ from rstmodel import (
     act_on_image,
 )
 from rstmodel.basis import BasisFamily
-from rstmodel.runtime import use_retaining_allocator
 from train.engine import setup_cli
 from train.experiments import (
     SYNTHETIC,
@@ -71,6 +70,7 @@ from train.experiments import (
     stage_outputs,
     write_csv,
 )
+from train.runtime import use_retaining_allocator
 
 log = logging.getLogger("equivariance")
 

@@ -45,11 +45,11 @@ from rstmodel.data.cache import default_cache_dir
 from rstmodel.data.rs import rotate_scale_upsize
 from rstmodel.data.sources import BaseDataset, find_source, load_source
 from rstmodel.data.stl10 import OOD_ANGLE_RANGE, OOD_SCALE_RANGE
-from rstmodel.runtime import use_retaining_allocator
 from train import engine, report
 from train.budgets import BUDGETS, Budget, budget_config, shrink, train_trial
 from train.config import TrainConfig, parse_model_arg
 from train.experiments import plt, write_csv, write_json
+from train.runtime import use_retaining_allocator
 
 log = logging.getLogger("ood")
 

@@ -31,8 +31,8 @@ from rstmodel import load_checkpoint
 from rstmodel.checkpoint import CheckpointError
 from rstmodel.data import SourceNotFoundError
 from rstmodel.precision import bf16_supported, inference
-from rstmodel.runtime import use_retaining_allocator
 from train.resampling import rs_run, test_images
+from train.runtime import use_retaining_allocator
 
 
 def logits_of(

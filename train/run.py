@@ -47,7 +47,6 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from rstmodel import list_models
 from rstmodel.data import NUM_VAL, RESAMPLINGS, RSDataset
-from rstmodel.runtime import use_retaining_allocator
 from train.config import DATA_CHOICES, TrainConfig, parse_model_arg
 from train.engine import (
     Distributed,
@@ -59,6 +58,7 @@ from train.engine import (
     run_trials,
     setup_cli,
 )
+from train.runtime import use_retaining_allocator
 
 EXIT_ERROR, EXIT_SETUP = 1, 2
 EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
@@ -222,5 +222,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if "WORLD_SIZE" not in os.environ:  # not under torchrun, whose agent watches this process
-        use_retaining_allocator()  # RSTCNN_ALLOCATOR: re-exec once (rstmodel.runtime)
+        use_retaining_allocator()  # RSTCNN_ALLOCATOR: re-exec once (train.runtime)
     sys.exit(main())

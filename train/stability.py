@@ -52,7 +52,6 @@ from rstmodel import (
 )
 from rstmodel.basis import BasisFamily
 from rstmodel.data import deform, jacobian_sup_norm
-from rstmodel.runtime import use_retaining_allocator
 from train.engine import setup_cli
 from train.experiments import (
     SYNTHETIC,
@@ -68,6 +67,7 @@ from train.experiments import (
     write_csv,
     write_json,
 )
+from train.runtime import use_retaining_allocator
 
 log = logging.getLogger("stability")
 

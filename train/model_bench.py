@@ -1,4 +1,4 @@
-"""``python -m rstmodel.bench``: RST models vs the plain CNN, measured in one run.
+"""``python -m train.model_bench``: RST models vs the plain CNN, measured in one run.
 
 For each model: train step (forward + backward + Adam) at the training batch, eval time at
 that batch, eval latency at batch 1 (median of repeats), and peak resident memory. Each
@@ -26,7 +26,12 @@ from pathlib import Path
 
 import torch
 
-from .runtime import use_retaining_allocator
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from train.runtime import use_retaining_allocator
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _time(fn, repeats: int, device: torch.device) -> float:
@@ -45,7 +50,7 @@ def measure(
     name: str, batch: int, repeats: int, overrides: dict, device: torch.device, bf16: bool = False
 ) -> dict:
     """One model's figures; ``bf16``: every measurement in bfloat16 autocast."""
-    from .models import create_model
+    from rstmodel import create_model
 
     torch.manual_seed(0)
     model = create_model(name, **overrides).to(device)
@@ -87,10 +92,9 @@ def measure(
 @contextlib.contextmanager
 def _worktree(rev: str):
     """A temporary detached git worktree of this repository at ``rev``."""
-    repo = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory(prefix="rstcnn-bench-") as tmp:
         path = Path(tmp) / "tree"
-        git = ["git", "-C", str(repo)]
+        git = ["git", "-C", str(REPO)]
         done = subprocess.run(
             [*git, "worktree", "add", "--detach", str(path), rev], capture_output=True, text=True
         )
@@ -102,16 +106,20 @@ def _worktree(rev: str):
             subprocess.run([*git, "worktree", "remove", "--force", str(path)], check=False)
 
 
-def _measure_in(cwd: Path | None, name: str, args: argparse.Namespace) -> dict:
-    """One model's figures from a fresh process (``python -m rstmodel.bench`` run in ``cwd``,
-    whose own ``rstmodel`` comes first on the path)."""
-    cmd = [sys.executable, "-m", "rstmodel.bench", "--worker", name]
+def _measure_in(tree: Path, name: str, args: argparse.Namespace) -> dict:
+    """One model's figures from a fresh process: this bench run in the checkout ``tree``,
+    whose own code comes first on the path (before 2026-11-27 the bench was
+    ``rstmodel.bench``; older revisions are measured with that)."""
+    module = (
+        "train.model_bench" if (tree / "train" / "model_bench.py").is_file() else "rstmodel.bench"
+    )
+    cmd = [sys.executable, "-m", module, "--worker", name]
     cmd += ["--batch", str(args.batch), "--repeats", str(args.repeats), "--device", args.device]
     if args.method:
         cmd += ["--method", args.method]
     if args.bf16:
         cmd.append("--bf16")
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=cwd).stdout
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=tree).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -139,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     with _worktree(args.against) if args.against else contextlib.nullcontext() as tree:
         for name in args.models:
             print(f"measuring {name} ...", file=sys.stderr, flush=True)
-            rows.append(_measure_in(None, name, args))
+            rows.append(_measure_in(REPO, name, args))
             if tree is not None:
                 print(f"measuring {name} at {args.against} ...", file=sys.stderr, flush=True)
                 old_rows.append(_measure_in(tree, name, args))
