@@ -269,7 +269,7 @@ def data_sample(
         )
         return (images[:count], targets[:count]) if labels else images[:count]
     run = meta.extra.get("run", {}) if isinstance(meta.extra, dict) else {}
-    config = RSConfig(name, realisation=int(run.get("realization", 0) or 0))
+    config = RSConfig(name, realisation=int(run.get("realisation", 0) or 0))
     path = config.cache_path(default_cache_dir())
     cached = load_cached(path, {"dataset": config.dataset.value, "params": config.params()})
     if cached is None:

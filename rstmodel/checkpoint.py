@@ -46,12 +46,23 @@ __all__ = [
     "config_to_dict",
     "save_checkpoint",
     "load_checkpoint",
+    "upgrade_record",
 ]
 
 log = logging.getLogger(__name__)
 
 FORMAT_TAG = "rstcnn-checkpoint"
 FORMAT_VERSION = 1
+
+# keys of a training record (a checkpoint's ``extra["run"]``, a run's summary.json) renamed
+# since: records written before still spell them the old way
+RECORD_KEY_RENAMES = {"realization": "realisation"}
+
+
+def upgrade_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A training record in today's keys (``load_checkpoint`` does this to ``extra["run"]``)."""
+    return {RECORD_KEY_RENAMES.get(key, key): value for key, value in record.items()}
+
 
 _REQUIRED = (
     "format",
@@ -386,6 +397,12 @@ def _build(payload: dict[str, Any], path: Path) -> nn.Module:
     return model
 
 
+def _upgraded(extra: Any) -> Any:
+    if isinstance(extra, dict) and isinstance(extra.get("run"), dict):
+        return {**extra, "run": upgrade_record(extra["run"])}
+    return extra
+
+
 def load_checkpoint(
     path: str | Path, map_location: str | torch.device = "cpu"
 ) -> tuple[nn.Module, CheckpointMeta]:
@@ -420,7 +437,7 @@ def load_checkpoint(
         mean=tuple(float(v) for v in norm["mean"]),
         std=tuple(float(v) for v in norm["std"]),
         metrics=payload["metrics"],
-        extra=payload["extra"],
+        extra=_upgraded(payload["extra"]),
         rstcnn_version=payload["rstcnn_version"],
         format_version=payload["format_version"],
     )

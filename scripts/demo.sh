@@ -12,7 +12,7 @@ cd "$REPO_ROOT"
 
 bash "$REPO_ROOT/scripts/setup.sh"
 
-.venv/bin/python train/prepare_data.py --data rs-fashion --realizations 0
+.venv/bin/python train/prepare_data.py --data rs-fashion --realisations 0
 
 # Each model is served from its committed int8 file (models/NAME.int8.onnx: faster on this
 # CPU, accuracy check passed and recorded in the file) while that file was exported from the

@@ -211,3 +211,25 @@ def test_invalid_contents_are_rejected(saved_cnn):
     expect("normalization", normalization={"mean": [0.0], "std": [0.0]})
     expect("3 class names", class_names=["a", "b", "c"])
     expect("config input_size=56", input_size=32)
+
+
+def test_records_written_with_the_old_spelling_still_read(tmp_path):
+    """Checkpoints and summaries written before the rename spell the realisation
+    ``realization``: they load with today's key (shipped models, resumable runs, the
+    committed results), and a resume compares them as equal."""
+    path = tmp_path / "old.pt"
+    run = {"data": "rs-fashion", "realization": 3, "seed": 3}
+    save(path, trained_cnn(), "cnn", run=run)
+    _, meta = load_checkpoint(path)
+    assert meta.extra["run"] == {"data": "rs-fashion", "realisation": 3, "seed": 3}
+    assert ckpt.upgrade_record({"realisation": 1, "model": "cnn"}) == {
+        "realisation": 1,
+        "model": "cnn",
+    }
+    from train import report
+
+    (tmp_path / "summary.json").write_text(
+        '{"model": "cnn", "data": "rs-fashion", "test_acc": 0.5, "realization": 2}'
+    )
+    (summary,) = report.load_summaries([tmp_path / "summary.json"])
+    assert summary["realisation"] == 2 and "realization" not in summary

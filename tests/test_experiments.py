@@ -360,7 +360,7 @@ def test_train_trial_stops_on_sigint_even_when_started_ignoring_it(tmp_path, idx
         64,
         full,
         data="rs-fashion",
-        realization=0,
+        realisation=0,
         seed=0,
         out=tmp_path / "run",
         device="cpu",

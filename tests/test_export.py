@@ -233,7 +233,7 @@ def save_small_checkpoint(path: Path, model: nn.Module, name: str) -> None:
         in_channels=model.config.in_channels,
         normalization=([0.25], [0.35]),
         metrics={"epoch": 3, "val_acc": 0.625, "train_loss": 0.9},
-        extra={"run": {"data": "rs-fashion", "realization": 0}},
+        extra={"run": {"data": "rs-fashion", "realisation": 0}},
     )
 
 

@@ -34,7 +34,7 @@ def test_images(request, tmp_path_factory):
     cached realisation, without rendering all 70,000), normalised later."""
     _, meta = rstmodel.load_checkpoint(MODELS / "rst_cnn_fb.pt")
     run = meta.extra["run"]
-    config = RSConfig(run["data"], realisation=run["realization"], resampling=request.param)
+    config = RSConfig(run["data"], realisation=run["realisation"], resampling=request.param)
     info = find_source(config.dataset.base, sources_dir=tmp_path_factory.mktemp("sources"))
     source = load_source(info)
     angles, scales, order = draw_parameters(source.labels.shape[0], config)

@@ -107,7 +107,7 @@ def load_data(args: TrainConfig, budget: Budget, data_root: Path | None) -> engi
     image size and validation / test sizes."""
     if budget.image_size == 56 and budget.test_size is None:
         return engine.load_rs_data(args)
-    rs = load_rs(RSConfig(args.data, realisation=args.realization), data_root=data_root)
+    rs = load_rs(RSConfig(args.data, realisation=args.realisation), data_root=data_root)
     rest = rs.images.shape[0] - args.train_size - args.val_size
     test_size = rest if budget.test_size is None else min(budget.test_size, rest)
     splits = rs.split(args.train_size, num_val=args.val_size, num_test=test_size)
@@ -132,7 +132,7 @@ def load_data(args: TrainConfig, budget: Budget, data_root: Path | None) -> engi
         mean=mean,
         std=std,
         description=(
-            f"{args.data} realisation {args.realization} from {rs.path}, "
+            f"{args.data} realisation {args.realisation} from {rs.path}, "
             f"{budget.image_size}x{budget.image_size} (2x reduced, zero-padded)"
         ),
     )

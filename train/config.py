@@ -41,7 +41,7 @@ RESULT_SETTINGS = (
     "data",
     "train_size",
     "val_size",
-    "realization",
+    "realisation",
     "seed",
     "augment",
     "epochs",
@@ -99,7 +99,7 @@ class TrainConfig:
 
     ``None`` for ``epochs``, ``batch_size``, ``lr`` and ``val_size`` takes the data set's
     recipe (``recipe``), for ``train_size`` the paper's N_tr 5000 on RS data (STL-10: all
-    5,000), for ``out`` ``runs/<model>-<data>-<size>[-aug]-r<realization>-s<seed>``.
+    5,000), for ``out`` ``runs/<model>-<data>-<size>[-aug]-r<realisation>-s<seed>``.
     ``data_label``: what the run records as its data when the images follow another
     protocol than the named data set's (``ood.py``: upright images). Invalid values raise
     ``ValueError`` naming the field.
@@ -109,7 +109,7 @@ class TrainConfig:
     data: str = RSDataset.FASHION.value
     train_size: int | None = None
     val_size: int | None = None
-    realization: int = 0  # which RS realisation
+    realisation: int = 0  # which RS realisation
     epochs: int | None = None
     batch_size: int | None = None
     lr: float | None = None
@@ -153,7 +153,7 @@ class TrainConfig:
         at_least_one = ("epochs", "batch_size", "trials", "limit_train", "limit_test")
         for name in (*at_least_one, "train_size", "threads"):
             self._at_least(name, 1)
-        for name in ("val_size", "workers", "seed", "realization"):
+        for name in ("val_size", "workers", "seed", "realisation"):
             self._at_least(name, 0)
         if not self.lr > 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
@@ -181,7 +181,7 @@ class TrainConfig:
         if self.out is None:
             size = "all" if self.train_size is None else self.train_size
             aug = "-aug" if self.augment else ""
-            name = f"{self.model}-{self.data}-{size}{aug}-r{self.realization}-s{self.seed}"
+            name = f"{self.model}-{self.data}-{size}{aug}-r{self.realisation}-s{self.seed}"
             put("out", Path("runs") / name)
         else:
             put("out", Path(self.out))

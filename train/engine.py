@@ -256,7 +256,7 @@ def load_rs_data(args: TrainConfig) -> TrainData:
     (the first sets the normalisation) and the test images of every --test-resampling one
     (same poses, same indices)."""
     data = load_rs(
-        RSConfig(args.data, realisation=args.realization), data_root=args.data_root, progress=True
+        RSConfig(args.data, realisation=args.realisation), data_root=args.data_root, progress=True
     )
     test_total = data.images.shape[0] - args.train_size - args.val_size
     num_test = None if args.limit_test is None else min(args.limit_test, max(test_total, 1))
@@ -264,7 +264,7 @@ def load_rs_data(args: TrainConfig) -> TrainData:
     def splits_of(resampling: str):
         rendered = data
         if resampling != "bicubic":
-            config = RSConfig(args.data, realisation=args.realization, resampling=resampling)
+            config = RSConfig(args.data, realisation=args.realisation, resampling=resampling)
             rendered = load_rs(config, data_root=args.data_root, progress=True)
         try:
             return rendered.split(args.train_size, num_val=args.val_size, num_test=num_test)
@@ -307,7 +307,7 @@ def load_rs_data(args: TrainConfig) -> TrainData:
         input_size=int(data.images.shape[-1]),
         mean=mean,
         std=std,
-        description=f"{args.data} realisation {args.realization} from {data.path}{resampled}",
+        description=f"{args.data} realisation {args.realisation} from {data.path}{resampled}",
     )
 
 
@@ -320,7 +320,7 @@ def load_stl10_data(args: TrainConfig) -> TrainData:
             f"STL-10 has {total} training images: --train-size {train_size} plus --val-size "
             f"{args.val_size} do not fit"
         )
-    order = np.random.default_rng([0, args.realization]).permutation(total)
+    order = np.random.default_rng([0, args.realisation]).permutation(total)
     val_idx, train_idx = order[: args.val_size], order[args.val_size : args.val_size + train_size]
     if args.val_size == 0 and train_size == total:
         train_idx = np.arange(total)  # the paper's setting: the training set as it is
@@ -328,7 +328,7 @@ def load_stl10_data(args: TrainConfig) -> TrainData:
     train_images = data.train_images[train_idx]
     mean, std = channel_stats(train_images)
     normalize = v2.Normalize(mean, std)
-    angles, scales = ood_parameters(data.test_labels.shape[0], seed=0, realisation=args.realization)
+    angles, scales = ood_parameters(data.test_labels.shape[0], seed=0, realisation=args.realisation)
     test = slice(None) if args.limit_test is None else slice(args.limit_test)
     evals: dict[str, Dataset] = {}
     if args.val_size:
@@ -356,7 +356,7 @@ def load_stl10_data(args: TrainConfig) -> TrainData:
         input_size=int(data.train_images.shape[-1]),
         mean=mean,
         std=std,
-        description=f"STL-10 from {data.folder} (OOD draws: realisation {args.realization})",
+        description=f"STL-10 from {data.folder} (OOD draws: realisation {args.realisation})",
     )
 
 

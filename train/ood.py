@@ -90,7 +90,7 @@ def load_data(args: TrainConfig, budget: Budget, opts: dict[str, Any]) -> engine
     )
     source = load_source(info)
     total = source.labels.shape[0]
-    rng = np.random.default_rng([args.seed, args.realization])
+    rng = np.random.default_rng([args.seed, args.realisation])
     order = rng.permutation(total)
     n_tr, n_val = args.train_size, args.val_size
     n_test = min(budget.test_size or total, total - n_tr - n_val)

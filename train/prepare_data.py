@@ -1,7 +1,7 @@
 """Prepare the paper's data sets once; later runs reuse the verified cache.
 
     python train/prepare_data.py --data rs-fashion
-    python train/prepare_data.py --data rs-mnist --realizations 0 1
+    python train/prepare_data.py --data rs-mnist --realisations 0 1
     python train/prepare_data.py --data stl10 --data-root ~/datasets/stl10
 
 RS-Fashion needs `apt-get install dataset-fashion-mnist` (or --data-root with IDX files);
@@ -40,8 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--data", required=True, choices=[d.value for d in RSDataset] + [STL10])
     parser.add_argument(
-        "--realizations",
         "--realisations",
+        "--realizations",
         type=int,
         nargs="+",
         default=list(range(NUM_REALISATIONS)),
@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: 1)")
     args = parser.parse_args(argv)
-    if any(r < 0 for r in args.realizations):
+    if any(r < 0 for r in args.realisations):
         parser.error("realisation indices must be non-negative")
     if args.seed < 0:
         parser.error("--seed must be non-negative")
@@ -66,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def prepare_rs(args: argparse.Namespace) -> None:
     cache = default_cache_dir() if args.cache is None else args.cache
     header = f"{'r':>2} {'source':<30} {'images':>7} {'splits (train/val/test)':<28} {'sha256':<12} {'from':<8} {'s':>6}"
-    for i, realisation in enumerate(args.realizations):
+    for i, realisation in enumerate(args.realisations):
         start = time.perf_counter()
         config = RSConfig(args.data, seed=args.seed, realisation=realisation)
         data = load_rs(config, cache_dir=cache, data_root=args.data_root, progress=True)
@@ -91,7 +91,7 @@ def prepare_stl10(args: argparse.Namespace) -> None:
         counts = np.bincount(labels, minlength=10)
         print(f"{name}: {labels.shape[0]} images, per class {counts.min()}..{counts.max()}")
     print(f"folder: {data.folder}  sha256: {data.sha256[:12]}")
-    for realisation in args.realizations:
+    for realisation in args.realisations:
         angles, scales = ood_parameters(
             data.test_labels.shape[0], seed=args.seed, realisation=realisation
         )

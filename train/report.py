@@ -22,6 +22,11 @@ from typing import Any
 
 import numpy as np
 
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rstmodel.checkpoint import upgrade_record
+
 log = logging.getLogger("report")
 
 # Paper Tables 1-2 (RS-MNIST, RS-Fashion): test accuracy in %, mean and std of 5 trials, in
@@ -91,7 +96,7 @@ def load_summaries(paths: Iterable[Path]) -> list[dict[str, Any]]:
     summaries = []
     for path in paths:
         try:
-            summary = json.loads(path.read_text(encoding="utf-8"))
+            summary = upgrade_record(json.loads(path.read_text(encoding="utf-8")))
         except (OSError, json.JSONDecodeError) as err:
             log.warning("skipping %s: %s", path, err)
             continue

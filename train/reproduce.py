@@ -54,6 +54,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rstmodel import create_model
+from rstmodel.checkpoint import upgrade_record
 from train import engine, report
 from train.budgets import (
     BUDGETS,
@@ -115,7 +116,7 @@ def run_config(spec: RunSpec, budget: Budget, opts: dict[str, Any]) -> TrainConf
         spec.train_size,
         budget,
         data=opts["data"],
-        realization=spec.trial,
+        realisation=spec.trial,
         seed=spec.trial,
         out=opts["root"] / spec.name,
         device=opts["device"],
@@ -150,7 +151,7 @@ def finished(root: Path, spec: RunSpec, results: Path | None = None) -> dict[str
         paths.append(results / "runs" / spec.name / "summary.json")
     for path in paths:
         if path.is_file():
-            return json.loads(path.read_text(encoding="utf-8"))
+            return upgrade_record(json.loads(path.read_text(encoding="utf-8")))
     return None
 
 
@@ -279,7 +280,7 @@ def results_rows(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "train_size": s["train_size"],
                 "augment": s["augment"],
                 "seed": s["seed"],
-                "realization": s["realization"],
+                "realisation": s["realisation"],
                 "epochs": s["epochs"],
                 "params": s["num_params"],
                 "input_size": s["config"]["input_size"],

@@ -51,7 +51,7 @@ def rs_run(path: Path, meta) -> dict:
 
 def test_images(run: dict, resampling: str, limit: int | None, data_root: Path | None):
     """uint8 [n, 56, 56] and labels of the run's test split, rendered by ``resampling``."""
-    config = RSConfig(run["data"], realisation=run["realization"], resampling=resampling)
+    config = RSConfig(run["data"], realisation=run["realisation"], resampling=resampling)
     data = load_rs(config, data_root=data_root, progress=True)
     test = data.split(run["train_size"], num_val=run["val_size"]).test
     return test.images[:limit], test.labels[:limit]

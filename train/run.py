@@ -78,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         "--val-size", type=int, default=None, help=f"validation images (RS {NUM_VAL}, STL-10 0)"
     )
     parser.add_argument(
-        "--realization", "--realisation", type=int, default=0, help="RS data realisation"
+        "--realisation", "--realization", type=int, default=0, help="RS data realisation"
     )
     parser.add_argument("--epochs", type=int, default=None, help="RS 60, STL-10 1000")
     parser.add_argument("--batch-size", type=int, default=None, help="RS 128, STL-10 64")
