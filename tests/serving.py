@@ -39,7 +39,7 @@ def tiny_onnx_models(base: Path) -> list[Path]:
     """Small random RST-CNN(FB) and CNN, saved as checkpoints and exported with the
     project's exporter. -> [rst_cnn_fb.onnx, cnn.onnx]."""
     import rstmodel
-    from export.to_onnx import export_onnx
+    from rstcnn.export.onnx_export import export_onnx
 
     folder = base / "serve-models"
     out = [folder / f"{name}.onnx" for name in TINY]
@@ -77,7 +77,7 @@ def _settle_batch_norms(model: torch.nn.Module) -> None:
 
 def gallery(base: Path) -> list:
     """The app's real test images (RS-Fashion cache or Debian Fashion-MNIST)."""
-    from serve.samples import write_samples
+    from rstcnn.serve.samples import write_samples
 
     folder = base / "serve-samples"
     with _locked(folder.with_name("serve-samples-lock")):
@@ -109,7 +109,7 @@ def live_server(app: object, **timeouts: float) -> Iterator[str]:
     would log as an error: its log is kept to critical messages.)"""
     import uvicorn
 
-    from serve.guards import server_config
+    from rstcnn.serve.guards import server_config
 
     port = free_port()
     server = uvicorn.Server(

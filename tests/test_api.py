@@ -9,10 +9,10 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from serving import grey, png_bytes
 
-from serve import MAX_PIXELS, Classifier, probes
-from serve.app import build_app
-from serve.stability import SweepSpec, build_sweeps, measure_stability
-from serve.uploads import MAX_UPLOAD_BYTES, UploadError, decode_image
+from rstcnn.serve import MAX_PIXELS, Classifier, probes
+from rstcnn.serve.app import build_app
+from rstcnn.serve.stability import SweepSpec, build_sweeps, measure_stability
+from rstcnn.serve.uploads import MAX_UPLOAD_BYTES, UploadError, decode_image
 
 SPEC = SweepSpec(rotation_steps=8, scale_steps=5, deformation_steps=3)
 
@@ -277,10 +277,10 @@ def test_numpy_sweeps_agree_with_the_torch_transforms(samples):
 
     import torch
 
+    from rstcnn.serve.transforms import rotate_scale, smooth_field, sup_slope, warp
     from rstmodel.data.transforms import jacobian_sup_norm
     from rstmodel.data.transforms import warp as torch_warp
     from rstmodel.group import RSTElement, act_on_image
-    from serve.transforms import rotate_scale, smooth_field, sup_slope, warp
 
     image = grey(samples[5].path)[None].astype(np.float32) / 255  # [1, 56, 56]
     x = torch.from_numpy(image)
@@ -300,7 +300,7 @@ def test_numpy_sweeps_agree_with_the_torch_transforms(samples):
 
 
 def test_gallery_images_are_answered_from_sweeps_made_at_start_up(counted, samples):
-    from serve.app import _analyse, warm_gallery
+    from rstcnn.serve.app import _analyse, warm_gallery
 
     app = build_app(counted, samples_dir=samples[0].path.parent, spec=SPEC)
     client = TestClient(app, base_url="http://127.0.0.1")
@@ -336,7 +336,7 @@ def test_gallery_images_are_answered_from_sweeps_made_at_start_up(counted, sampl
 
 
 def test_changes_name_each_other_label_with_its_runs_of_steps():
-    from serve.stability import SweepResult
+    from rstcnn.serve.stability import SweepResult
 
     angles = np.arange(24) * 15.0
     top1 = ["Sandal"] * 10 + ["Dress"] + ["Sandal"] * 8 + ["Trouser"] * 2 + ["Sandal"] * 3
@@ -360,7 +360,7 @@ def test_changes_name_each_other_label_with_its_runs_of_steps():
 def test_sweeps_reuse_exactly_what_they_may(counted, samples):
     """The distinct-row batch gives the full batch's probabilities: to round-off for the
     quarter-turn invariant RST-CNN, bit for bit for duplicates."""
-    from serve.stability import build_sweeps, distinct_rows, probabilities
+    from rstcnn.serve.stability import build_sweeps, distinct_rows, probabilities
 
     rst, cnn = (c.inner for c in counted)
     assert rst.metadata["rstcnn.quarter_turn_invariant"] is True

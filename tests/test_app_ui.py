@@ -16,12 +16,12 @@ from gradio_client.exceptions import AppError
 from PIL import Image
 from serving import grey, live_server, tiny_onnx_models
 
-from serve import Classifier
-from serve.api import ModelSet
-from serve.app import _analyse, build_app, main
-from serve.loadtest import run_load
-from serve.stability import SweepSpec, measure_stability
-from serve.uploads import decode_image
+from rstcnn.serve import Classifier
+from rstcnn.serve.api import ModelSet
+from rstcnn.serve.app import _analyse, build_app, main
+from rstcnn.serve.loadtest import run_load
+from rstcnn.serve.stability import SweepSpec, measure_stability
+from rstcnn.serve.uploads import decode_image
 
 SPEC = SweepSpec(rotation_steps=12, scale_steps=6, deformation_steps=4)
 
@@ -227,7 +227,7 @@ def test_drawing_is_inverted_and_flattened_on_white(tmp_path, samples, tmp_path_
 
 
 def test_stage_bench_times_the_sweep_both_ways(samples, tmp_path_factory):
-    from serve.stage_bench import measure
+    from rstcnn.serve.stage_bench import measure
 
     models = [Classifier.from_onnx(p) for p in tiny_onnx_models(tmp_path_factory.getbasetemp())]
     timed = measure(models, grey(samples[0].path), SPEC)

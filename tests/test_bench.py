@@ -1,4 +1,4 @@
-"""``python -m train.model_bench``: the RST/CNN table and the old-against-new comparison."""
+"""``python -m rstcnn.train.model_bench``: the RST/CNN table and the old-against-new comparison."""
 
 from __future__ import annotations
 
@@ -10,7 +10,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "train.model_bench", "--batch", "2", "--repeats", "1", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rstcnn.train.model_bench",
+        "--batch",
+        "2",
+        "--repeats",
+        "1",
+        *args,
+    ]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
@@ -38,7 +47,7 @@ def test_bench_names_an_unknown_revision():
 
 
 def test_floor_bench_times_each_op_of_the_basis_form_in_both_precisions():
-    from export.floor_bench import KERNELS, LAYERS, R, measure
+    from rstcnn.export.floor_bench import KERNELS, LAYERS, R, measure
 
     rows = measure(repeats=1)
     assert [(layer, op) for layer, op, *_ in rows] == [

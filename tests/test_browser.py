@@ -18,8 +18,8 @@ import httpx
 import pytest
 from serving import artifacts_dir, gallery, live_server, tiny_onnx_models
 
-from serve.app import build_app
-from serve.stability import SweepSpec
+from rstcnn.serve.app import build_app
+from rstcnn.serve.stability import SweepSpec
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 FLAGS = [  # what headless Chromium needs on these machines (no GPU, no sandbox, no network)

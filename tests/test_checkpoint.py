@@ -226,7 +226,7 @@ def test_records_written_with_the_old_spelling_still_read(tmp_path):
         "realisation": 1,
         "model": "cnn",
     }
-    from train import report
+    from rstcnn.train import report
 
     (tmp_path / "summary.json").write_text(
         '{"model": "cnn", "data": "rs-fashion", "test_acc": 0.5, "realization": 2}'

@@ -20,9 +20,9 @@ import torch
 from PIL import Image
 
 import rstmodel
-from export.to_onnx import export_model
-from serve import MAX_PIXELS, Classifier, Prediction
-from serve import classifier as clf_mod
+from rstcnn.export.onnx_export import export_model
+from rstcnn.serve import MAX_PIXELS, Classifier, Prediction
+from rstcnn.serve import classifier as clf_mod
 
 CLASSES = [f"c{i}" for i in range(10)]
 
@@ -364,7 +364,7 @@ def test_inference_path_imports_no_torch(onnx_model, tmp_path):
     Image.fromarray(grey()).save(png)
     code = (
         "import sys, numpy as np\n"
-        "from serve.classifier import Classifier\n"
+        "from rstcnn.serve.classifier import Classifier\n"
         f"clf = Classifier.from_onnx({str(onnx_model)!r}, threads=1)\n"
         f"preds = clf.predict([{str(png)!r}, np.zeros((30, 40), np.uint8)], top_k=2)\n"
         "assert len(preds) == 2 and len(preds[0]) == 2\n"
@@ -379,7 +379,7 @@ def test_the_classifier_reads_files_as_the_http_api_decodes_them(tmp_path):
     """One set of image rules: a file given to ``Classifier.prepare`` and the same bytes
     decoded by the API (``serve.uploads.decode_image``) give the same input, bit for bit,
     for transparency, palettes, 16-bit grey, float grey beyond [0, 1] and 1-bit images."""
-    from serve.uploads import decode_image
+    from rstcnn.serve.uploads import decode_image
 
     clf, _ = fake()
     img = grey()

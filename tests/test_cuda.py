@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rstmodel
-from export.bake import bake
+from rstcnn.export.bake import bake
 from rstmodel.basis import BasisSpec
 from rstmodel.group import RSTElement, act_on_features, act_on_image
 from rstmodel.layers import GroupRSTConv, LiftingRSTConv

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from rstcnn.train import budgets, engine, equivariance, ood, reproduce, run, stability
+from rstcnn.train.experiments import parse_element, stages_of, synthetic_images
 from rstmodel import RSTElement, act_on_features, create_model, save_checkpoint
-from train import budgets, engine, equivariance, ood, reproduce, run, stability
-from train.experiments import parse_element, stages_of, synthetic_images
 
 QUARTER = RSTElement(math.pi / 2, 0.0)
 
@@ -163,7 +163,7 @@ def test_filter_bounds_follow_the_coefficients():
 
 
 def test_stability_errors_vanish_without_deformation(checkpoint):
-    from train.experiments import load_stages
+    from rstcnn.train.experiments import load_stages
 
     stages, _, _ = load_stages(checkpoint)
     stages = stages.double()

@@ -20,10 +20,10 @@ from PIL import Image
 from torch import nn
 
 import rstmodel
-from export import to_onnx
-from export.bake import BASIS, bake
-from export.to_onnx import check_onnx, export_model, export_onnx, group_metadata
-from export.to_tensorrt import fp16_model, missing_requirements
+from rstcnn.export import to_onnx
+from rstcnn.export.bake import BASIS, bake
+from rstcnn.export.onnx_export import check_onnx, export_model, export_onnx, group_metadata
+from rstcnn.export.to_tensorrt import fp16_model, missing_requirements
 from rstmodel.data import RSConfig, default_cache_dir, load_rs
 from rstmodel.layers import GroupRSTConv
 
@@ -472,8 +472,8 @@ def _cuda_and_tensorrt() -> bool:
 @pytest.mark.skipif(not _cuda_and_tensorrt(), reason="needs a CUDA GPU and TensorRT")
 @pytest.mark.parametrize("fp16", [False, True])
 def test_tensorrt_engine_matches_onnxruntime(rst_export, tmp_path, fp16):
-    from export.to_tensorrt import build_engine
-    from serve import Classifier
+    from rstcnn.export.to_tensorrt import build_engine
+    from rstcnn.serve import Classifier
 
     path = rst_export[0]
     plan = build_engine(path, tmp_path / "model.plan", fp16=fp16, max_batch=8)
@@ -532,8 +532,8 @@ def _check_int8_layout(model: onnx.ModelProto) -> None:
 def test_reduced_precision_runs_in_the_classifier_and_is_gated(
     rst_export, real_test_images, tmp_path, precision
 ):
-    from export.precision import GATE_POINTS, convert, gate
-    from serve import Classifier
+    from rstcnn.export.precision import GATE_POINTS, convert, gate
+    from rstcnn.serve import Classifier
 
     path = rst_export[0]
     x, labels = real_test_images
@@ -568,7 +568,7 @@ def test_reduced_precision_runs_in_the_classifier_and_is_gated(
 def test_current_says_when_a_reduced_file_may_stand_in_for_its_checkpoint(
     rst_export, real_test_images, tmp_path
 ):
-    from export.precision import GateResult, convert, current, main, record_gate
+    from rstcnn.export.precision import GateResult, convert, current, main, record_gate
 
     path, _, _, checkpoint = rst_export
     x, _ = real_test_images
@@ -592,7 +592,7 @@ def test_current_says_when_a_reduced_file_may_stand_in_for_its_checkpoint(
 
 
 def test_precision_arguments_are_checked(rst_export, tmp_path):
-    from export.precision import convert
+    from rstcnn.export.precision import convert
 
     with pytest.raises(ValueError, match="calibration"):
         convert(rst_export[0], tmp_path / "a.onnx", "int8")

@@ -22,13 +22,13 @@ import pytest
 from fastapi.testclient import TestClient
 from serving import live_server
 
-from serve import Classifier, probes
-from serve.api import Limits
-from serve.app import build_app
-from serve.guards import Gate, allowed_hosts
-from serve.loadtest import chunked_upload, run_plan, soak_plan, start_server
-from serve.stability import SweepSpec
-from serve.uploads import UploadError, read_uploaded
+from rstcnn.serve import Classifier, probes
+from rstcnn.serve.api import Limits
+from rstcnn.serve.app import build_app
+from rstcnn.serve.guards import Gate, allowed_hosts
+from rstcnn.serve.loadtest import chunked_upload, run_plan, soak_plan, start_server
+from rstcnn.serve.stability import SweepSpec
+from rstcnn.serve.uploads import UploadError, read_uploaded
 
 SPEC = SweepSpec(rotation_steps=4, scale_steps=3, deformation_steps=2)
 

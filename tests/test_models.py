@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from export.bake import bake
+from rstcnn.export.bake import bake
 from rstmodel import create_model, list_models, register_model
 from rstmodel.models import registry
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from serve.preview import TITLE, preview_tags, rewrite
+from rstcnn.serve.preview import TITLE, preview_tags, rewrite
 
 GRADIO_HEAD = b"""<!doctype html>
 <html lang="en">

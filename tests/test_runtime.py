@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from train.runtime import HUGEPAGE_TUNABLES, RETAINING_TUNABLES
+from rstcnn.train.runtime import HUGEPAGE_TUNABLES, RETAINING_TUNABLES
 
 CODE = (
-    "from train.runtime import use_retaining_allocator; use_retaining_allocator(); "
+    "from rstcnn.train.runtime import use_retaining_allocator; use_retaining_allocator(); "
     "import os; print(os.environ.get('GLIBC_TUNABLES', ''))"
 )
 
@@ -52,7 +52,7 @@ def test_system_leaves_the_environment_alone():
 
 
 JEMALLOC_CODE = (
-    "from train.runtime import use_retaining_allocator; use_retaining_allocator(); "
+    "from rstcnn.train.runtime import use_retaining_allocator; use_retaining_allocator(); "
     "import os; print(os.environ.get('LD_PRELOAD', '') + '|' + os.environ.get('MALLOC_CONF', ''))"
 )
 
@@ -71,7 +71,7 @@ def run_jemalloc(env_extra: dict) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(platform.system() != "Linux", reason="LD_PRELOAD is Linux-only")
 def test_jemalloc_is_preloaded_with_purging_off():
     # scripts/setup.sh installs libjemalloc2 (as root), so the loader finds it in CI
-    from train.runtime import JEMALLOC_CONF, find_jemalloc
+    from rstcnn.train.runtime import JEMALLOC_CONF, find_jemalloc
 
     lib = find_jemalloc()
     assert lib is not None, "libjemalloc2 missing: run scripts/setup.sh as root"

@@ -17,15 +17,16 @@ import importlib.abc, json, sys
 
 class NoTraining(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in {"torch", "torchvision", "rstmodel", "train", "export"}:
+        hidden = {"torch", "torchvision", "rstmodel", "rstcnn.train", "rstcnn.export"}
+        if any(name == h or name.startswith(h + ".") for h in hidden):
             raise ImportError(f"{name} is hidden in this test")
         return None
 
 sys.meta_path.insert(0, NoTraining())
 from fastapi.testclient import TestClient
-from serve.app import build_app
-from serve.samples import GALLERY
-from serve.stability import SweepSpec
+from rstcnn.serve.app import build_app
+from rstcnn.serve.samples import GALLERY
+from rstcnn.serve.stability import SweepSpec
 
 models = json.loads(sys.argv[1])
 app = build_app(models, spec=SweepSpec(rotation_steps=8, scale_steps=4, deformation_steps=3))

@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import torch
 
+from rstcnn.train import engine, fastpath, precision_check, report, resampling, run
 from rstmodel import create_model, load_checkpoint
 from rstmodel.data import ArrayDataset, RSConfig, VariantDataset, collate, load_rs
 from rstmodel.layers import ConvMethod
 from rstmodel.precision import bf16_supported, inference
-from train import engine, fastpath, precision_check, report, resampling, run
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "train" / "run.py"
@@ -710,7 +710,7 @@ def test_train_config_is_frozen_validated_and_varied_by_replace():
     """The typed config the CLI parses into and the experiment runners build directly."""
     import dataclasses
 
-    from train.config import RS_RECIPE, STL10_RECIPE, TrainConfig, settings_of
+    from rstcnn.train.config import RS_RECIPE, STL10_RECIPE, TrainConfig, settings_of
 
     config = TrainConfig(model="cnn", train_size=2000, model_args={"hidden": 8})
     assert (config.epochs, config.batch_size, config.lr) == (60, 128, 0.01)

@@ -11,10 +11,10 @@ import onnx
 import pytest
 from fastapi.testclient import TestClient
 
-from export.precision import GATE_POINTS, GateResult, convert, record_gate
-from serve import Classifier
-from serve.app import build_app
-from serve.variants import fastest_variants, servable
+from rstcnn.export.precision import GATE_POINTS, GateResult, convert, record_gate
+from rstcnn.serve import Classifier
+from rstcnn.serve.app import build_app
+from rstcnn.serve.variants import fastest_variants, servable
 
 
 def gate_result(passes: bool) -> GateResult:

@@ -44,11 +44,11 @@ from urllib.parse import urlparse
 import httpx
 import numpy as np
 
-from serve import probes
+from rstcnn.serve import probes
 
 __all__ = ["LoadResult", "Probe", "RssSampler", "run_load", "run_plan", "soak_plan", "main"]
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(frozen=True)
@@ -352,7 +352,7 @@ def start_server(
 
 def _default_image() -> bytes:
     """The shipped gallery's first real test image, else a synthetic blob."""
-    from serve.samples import GALLERY
+    from rstcnn.serve.samples import GALLERY
 
     found = sorted(GALLERY.glob("sample_*.png"))
     if found:

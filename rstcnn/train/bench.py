@@ -34,11 +34,11 @@ from typing import Any
 import torch
 
 if __package__ in (None, ""):  # run as a script: python train/bench.py
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from train import engine  # noqa: E402
-from train.config import TrainConfig, parse_model_arg  # noqa: E402
-from train.runtime import use_retaining_allocator
+from rstcnn.train import engine  # noqa: E402
+from rstcnn.train.config import TrainConfig, parse_model_arg  # noqa: E402
+from rstcnn.train.runtime import use_retaining_allocator
 
 DEFAULT_BATCH = {"cnn": 128, "rst_cnn_fb": 32}
 RESULT = "BENCH_RESULT "

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rstmodel.checkpoint import upgrade_record
 

@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODELS = ("models/rst_cnn_fb.onnx", "models/cnn.onnx")
 SETTINGS: dict[str, dict] = {
     "defaults": {},
@@ -48,7 +48,7 @@ def measure(model: str, options: dict, batch: int, repeats: int) -> dict[str, fl
     """In this process: load seconds, batch-1 median ms, batch seconds, GiB peak / after."""
     import numpy as np
 
-    from serve import Classifier
+    from rstcnn.serve import Classifier
 
     start = time.perf_counter()
     clf = Classifier.from_onnx(model, max_batch=batch, **options)
@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for model in models:
         rows = {}
         for name in args.setting or SETTINGS:
-            command = [sys.executable, "-m", "serve.session_bench", "--child"]
+            command = [sys.executable, "-m", "rstcnn.serve.session_bench", "--child"]
             command += [json.dumps([model, name]), "--batch", str(args.batch)]
             command += ["--repeats", str(args.repeats)]
             done = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT)

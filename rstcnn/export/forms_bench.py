@@ -23,11 +23,11 @@ from pathlib import Path
 
 import numpy as np
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _up_to(largest: int) -> Callable:
-    from export.bake import BASIS, DIRECT
+    from rstcnn.export.bake import BASIS, DIRECT
 
     def rule(layer, s: int):
         return DIRECT if layer.spec.kernel_sizes[s] <= largest else BASIS
@@ -38,7 +38,7 @@ def _up_to(largest: int) -> Callable:
 def main(argv: Sequence[str] | None = None) -> int:
     import onnxruntime as ort
 
-    from export.to_onnx import export_model
+    from rstcnn.export.onnx_export import export_model
     from rstmodel.checkpoint import load_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

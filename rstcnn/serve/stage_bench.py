@@ -15,8 +15,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from serve import Classifier
-from serve.stability import SWEEP_NAMES, SweepSpec, measure_stability
+from rstcnn.serve import Classifier
+from rstcnn.serve.stability import SWEEP_NAMES, SweepSpec, measure_stability
 
 DEFAULT_MODELS = ("models/rst_cnn_fb.int8.onnx", "models/cnn.int8.onnx")
 
@@ -44,8 +44,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads")
     args = parser.parse_args(argv)
-    from serve.samples import GALLERY, load_samples
-    from serve.uploads import decode_image
+    from rstcnn.serve.samples import GALLERY, load_samples
+    from rstcnn.serve.uploads import decode_image
 
     samples = load_samples(GALLERY)
     image = decode_image(samples[args.sample % len(samples)].path.read_bytes())

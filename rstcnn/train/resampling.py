@@ -25,7 +25,7 @@ from torchvision.transforms import v2
 from tqdm import tqdm
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rstmodel import load_checkpoint
 from rstmodel.checkpoint import CheckpointError

@@ -1,4 +1,4 @@
-"""``python -m train.model_bench``: RST models vs the plain CNN, measured in one run.
+"""``python -m rstcnn.train.model_bench``: RST models vs the plain CNN, measured in one run.
 
 For each model: train step (forward + backward + Adam) at the training batch, eval time at
 that batch, eval latency at batch 1 (median of repeats), and peak resident memory. Each
@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from train.runtime import use_retaining_allocator
+from rstcnn.train.runtime import use_retaining_allocator
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _time(fn, repeats: int, device: torch.device) -> float:
@@ -108,10 +108,16 @@ def _worktree(rev: str):
 
 def _measure_in(tree: Path, name: str, args: argparse.Namespace) -> dict:
     """One model's figures from a fresh process: this bench run in the checkout ``tree``,
-    whose own code comes first on the path (before 2026-11-27 the bench was
-    ``rstmodel.bench``; older revisions are measured with that)."""
-    module = (
-        "train.model_bench" if (tree / "train" / "model_bench.py").is_file() else "rstmodel.bench"
+    whose own code comes first on the path; an older revision's bench where it was then
+    (``train.model_bench`` on 2026-11-27, ``rstmodel.bench`` before)."""
+    module = next(
+        name
+        for name, path in (
+            ("rstcnn.train.model_bench", "rstcnn/train/model_bench.py"),
+            ("train.model_bench", "train/model_bench.py"),
+            ("rstmodel.bench", "rstmodel/bench.py"),
+        )
+        if (tree / path).is_file()
     )
     cmd = [sys.executable, "-m", module, "--worker", name]
     cmd += ["--batch", str(args.batch), "--repeats", str(args.repeats), "--device", args.device]

@@ -35,6 +35,7 @@ from torchvision.transforms import v2
 from tqdm import tqdm
 
 import rstmodel
+from rstcnn.train.config import RESULT_SETTINGS, SETTING_DEFAULTS, TrainConfig, settings_of
 from rstmodel import create_model
 from rstmodel.checkpoint import (
     CheckpointError,
@@ -58,7 +59,6 @@ from rstmodel.data import (
     ood_parameters,
     stl10_train_transform,
 )
-from train.config import RESULT_SETTINGS, SETTING_DEFAULTS, TrainConfig, settings_of
 
 try:
     import fcntl

@@ -81,7 +81,7 @@ def convert(
                 }
             )
         elif precision == "fp16":
-            from export.to_tensorrt import fp16_model  # the converter TensorRT builds use
+            from rstcnn.export.to_tensorrt import fp16_model  # the converter TensorRT builds use
 
             proto = fp16_model(source)
         else:

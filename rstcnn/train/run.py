@@ -45,10 +45,8 @@ import numpy as np
 from torch import distributed as dist
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from rstmodel import list_models
-from rstmodel.data import NUM_VAL, RESAMPLINGS, RSDataset
-from train.config import DATA_CHOICES, TrainConfig, parse_model_arg
-from train.engine import (
+from rstcnn.train.config import DATA_CHOICES, TrainConfig, parse_model_arg
+from rstcnn.train.engine import (
     Distributed,
     Interrupted,
     SetupError,
@@ -58,7 +56,9 @@ from train.engine import (
     run_trials,
     setup_cli,
 )
-from train.runtime import use_retaining_allocator
+from rstcnn.train.runtime import use_retaining_allocator
+from rstmodel import list_models
+from rstmodel.data import NUM_VAL, RESAMPLINGS, RSDataset
 
 EXIT_ERROR, EXIT_SETUP = 1, 2
 EXIT_SIGNAL = {"SIGINT": 130, "SIGTERM": 143}
@@ -220,7 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> int:
+    """The ``rstcnn-train`` command (and ``python train/run.py``)."""
     if "WORLD_SIZE" not in os.environ:  # not under torchrun, whose agent watches this process
         use_retaining_allocator()  # RSTCNN_ALLOCATOR: re-exec once (train.runtime)
-    sys.exit(main())
+    return main()
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

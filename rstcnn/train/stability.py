@@ -39,21 +39,10 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rstmodel import (
-    GroupRSTConv,
-    LiftingRSTConv,
-    RSTBatchNorm,
-    RSTElement,
-    act_on_features,
-    act_on_image,
-    create_model,
-)
-from rstmodel.basis import BasisFamily
-from rstmodel.data import deform, jacobian_sup_norm
-from train.engine import setup_cli
-from train.experiments import (
+from rstcnn.train.engine import setup_cli
+from rstcnn.train.experiments import (
     SYNTHETIC,
     Stages,
     element_on_map,
@@ -67,7 +56,18 @@ from train.experiments import (
     write_csv,
     write_json,
 )
-from train.runtime import use_retaining_allocator
+from rstcnn.train.runtime import use_retaining_allocator
+from rstmodel import (
+    GroupRSTConv,
+    LiftingRSTConv,
+    RSTBatchNorm,
+    RSTElement,
+    act_on_features,
+    act_on_image,
+    create_model,
+)
+from rstmodel.basis import BasisFamily
+from rstmodel.data import deform, jacobian_sup_norm
 
 log = logging.getLogger("stability")
 

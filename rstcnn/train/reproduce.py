@@ -51,12 +51,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rstmodel import create_model
-from rstmodel.checkpoint import upgrade_record
-from train import engine, report
-from train.budgets import (
+from rstcnn.train import engine, report
+from rstcnn.train.budgets import (
     BUDGETS,
     MODELS,
     RELATIVE_COST,
@@ -65,8 +63,10 @@ from train.budgets import (
     load_data,
     train_trial,
 )
-from train.config import TrainConfig
-from train.experiments import plt, write_csv
+from rstcnn.train.config import TrainConfig
+from rstcnn.train.experiments import plt, write_csv
+from rstmodel import create_model
+from rstmodel.checkpoint import upgrade_record
 
 log = logging.getLogger("reproduce")
 

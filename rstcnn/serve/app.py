@@ -40,9 +40,9 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi_offline import FastAPIOffline
 from gradio.utils import get_upload_folder
 
-from serve import Classifier
-from serve.api import Limits, ModelSet, SweepCache, create_router, install_error_handlers
-from serve.guards import (
+from rstcnn.serve import Classifier
+from rstcnn.serve.api import Limits, ModelSet, SweepCache, create_router, install_error_handlers
+from rstcnn.serve.guards import (
     LOOPBACK_NAMES,
     BodyLimit,
     Busy,
@@ -51,9 +51,9 @@ from serve.guards import (
     allowed_hosts,
     server_config,
 )
-from serve.preview import PageMeta
-from serve.samples import GALLERY, Sample, write_samples
-from serve.stability import (
+from rstcnn.serve.preview import PageMeta
+from rstcnn.serve.samples import GALLERY, Sample, write_samples
+from rstcnn.serve.stability import (
     SWEEP_NAMES,
     StabilityReport,
     SweepSpec,
@@ -62,20 +62,20 @@ from serve.stability import (
     plot_report,
     thumbnails,
 )
-from serve.uploads import (
+from rstcnn.serve.uploads import (
     MAX_PIXELS,
     MAX_UPLOAD_BYTES,
     UploadError,
     decode_image,
     read_uploaded,
 )
-from serve.variants import fastest_variants
+from rstcnn.serve.variants import fastest_variants
 
 __all__ = ["build_app", "build_ui", "main", "DEFAULT_MODELS"]
 
 log = logging.getLogger("serve.app")
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_MODELS = ("models/rst_cnn_fb.onnx", "models/cnn.onnx")
 
 

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torchvision.transforms import v2
 
+from rstcnn.train import engine
+from rstcnn.train.config import TrainConfig
 from rstmodel.data import CLASS_NAMES, ArrayDataset, RandomRST, RSConfig, load_rs
-from train import engine
-from train.config import TrainConfig
 
 # in the order the runs are made (the paper's central comparison first)
 MODELS = (

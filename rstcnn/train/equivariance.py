@@ -46,19 +46,10 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rstmodel import (
-    BasisSpec,
-    GroupRSTConv,
-    LiftingRSTConv,
-    RSTElement,
-    act_on_features,
-    act_on_image,
-)
-from rstmodel.basis import BasisFamily
-from train.engine import setup_cli
-from train.experiments import (
+from rstcnn.train.engine import setup_cli
+from rstcnn.train.experiments import (
     SYNTHETIC,
     Stages,
     element_on_map,
@@ -70,7 +61,16 @@ from train.experiments import (
     stage_outputs,
     write_csv,
 )
-from train.runtime import use_retaining_allocator
+from rstcnn.train.runtime import use_retaining_allocator
+from rstmodel import (
+    BasisSpec,
+    GroupRSTConv,
+    LiftingRSTConv,
+    RSTElement,
+    act_on_features,
+    act_on_image,
+)
+from rstmodel.basis import BasisFamily
 
 log = logging.getLogger("equivariance")
 

@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 import rstmodel
-from export.bake import bake
-from export.to_onnx import export_model
-from train.runtime import use_retaining_allocator
+from rstcnn.export.bake import bake
+from rstcnn.export.onnx_export import export_model
+from rstcnn.train.runtime import use_retaining_allocator
 
 FORMS = ("eager", "baked", "onnx")
 

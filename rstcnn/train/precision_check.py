@@ -25,14 +25,14 @@ import torch
 from torchvision.transforms import v2
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from rstcnn.train.resampling import rs_run, test_images
+from rstcnn.train.runtime import use_retaining_allocator
 from rstmodel import load_checkpoint
 from rstmodel.checkpoint import CheckpointError
 from rstmodel.data import SourceNotFoundError
 from rstmodel.precision import bf16_supported, inference
-from train.resampling import rs_run, test_images
-from train.runtime import use_retaining_allocator
 
 
 def logits_of(

@@ -31,12 +31,12 @@ import torch
 import torch.nn.functional as F
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from rstcnn.train.config import parse_model_arg
+from rstcnn.train.engine import use_tf32
 from rstmodel import create_model
 from rstmodel.layers import ConvMethod
-from train.config import parse_model_arg
-from train.engine import use_tf32
 
 
 @dataclass(frozen=True)

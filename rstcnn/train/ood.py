@@ -37,19 +37,19 @@ from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from rstcnn.train import engine, report
+from rstcnn.train.budgets import BUDGETS, Budget, budget_config, shrink, train_trial
+from rstcnn.train.config import TrainConfig, parse_model_arg
+from rstcnn.train.experiments import plt, write_csv, write_json
+from rstcnn.train.runtime import use_retaining_allocator
 from rstmodel import load_checkpoint
 from rstmodel.data import CLASS_NAMES, ArrayDataset, RandomRST, SourceNotFoundError, collate
 from rstmodel.data.cache import default_cache_dir
 from rstmodel.data.rs import rotate_scale_upsize
 from rstmodel.data.sources import BaseDataset, find_source, load_source
 from rstmodel.data.stl10 import OOD_ANGLE_RANGE, OOD_SCALE_RANGE
-from train import engine, report
-from train.budgets import BUDGETS, Budget, budget_config, shrink, train_trial
-from train.config import TrainConfig, parse_model_arg
-from train.experiments import plt, write_csv, write_json
-from train.runtime import use_retaining_allocator
 
 log = logging.getLogger("ood")
 
