@@ -59,7 +59,7 @@ if [[ "$WANT" == "$HAVE" ]]; then
     log "dependencies up to date (pyproject.toml unchanged); skipping pip install"
 else
     log "installing rstcnn (editable) with dev extras; the first run downloads/installs torch and can take several minutes..."
-    "$VPY" -m pip install -e '.[all,dev]' torch==2.14.1 torchvision==0.29.1
+    "$VPY" -m pip install -e '.[all,peers,dev]' torch==2.14.1 torchvision==0.29.1
     echo "$WANT" > "$STAMP"
     log "install complete"
 fi

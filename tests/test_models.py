@@ -25,6 +25,8 @@ PAPER_MODELS = {
     "rdcf_plus",
     "scale_cnn",
     "sesn",
+    "sfcnn",
+    "sfcnn_plus",
     "resnet16",
     "rst_resnet16",
 }
@@ -38,6 +40,7 @@ ROTATION_INVARIANT = [
     "rot_cnn",
     "rdcf_plus",
     "rst_resnet16",
+    "sfcnn",
 ]
 
 
@@ -138,6 +141,8 @@ def test_overrides_reach_the_config():
         ("rst_cnn_plus_sl", 1_600_000, 0.05),
         ("rdcf_plus", 1_600_000, 0.05),
         ("sesn", 500_000, 0.05),
+        ("sfcnn", 500_000, 0.05),
+        ("sfcnn_plus", 1_600_000, 0.05),
     ],
 )
 def test_parameter_counts_match_the_paper(name, target, tol):
@@ -329,3 +334,37 @@ def test_forward_features_checks_its_input(name):
     model = create_model(name, **small(name))
     with pytest.raises(ValueError, match=r"\[B, "):
         model.forward_features(torch.zeros(1, 2, 32, 32))
+
+
+def test_the_steerable_peers_name_their_extra_when_e2cnn_is_missing(monkeypatch):
+    """Without the peers extra, creating sfcnn says what to install (the rest still works)."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_e2cnn(name, *args, **kwargs):
+        if name.split(".")[0] == "e2cnn":
+            raise ImportError("No module named 'e2cnn'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_e2cnn)
+    monkeypatch.setattr(
+        "importlib.import_module",
+        lambda name, *a: no_e2cnn(name) if name == "e2cnn" else real_import(name),
+    )
+    with pytest.raises(ImportError, match=r"pip install 'rstcnn\[peers\]'"):
+        create_model("sfcnn")
+    assert create_model("cnn") is not None
+
+
+def test_sfcnn_plain_copy_gives_the_same_logits():
+    """plain() (e2cnn's own export of each layer, our group max-pool, the head): what the
+    exporter bakes."""
+    model = create_model("sfcnn", channels=(3, 4, 5), input_size=32)
+    x = images(model, 2)
+    settle_batch_norm(model, x)
+    with torch.no_grad():
+        torch.testing.assert_close(model.plain()(x), model(x), rtol=1e-5, atol=1e-5)
+    assert all(
+        type(m).__module__.split(".")[0] in {"torch", "rstmodel"} for m in model.plain().modules()
+    )

@@ -741,3 +741,15 @@ def test_train_config_is_frozen_validated_and_varied_by_replace():
     settings = settings_of(upright, seed=4)
     assert settings["data"] == "rs-fashion-upright" and settings["seed"] == 4
     assert settings["train_resampling"] == ["bicubic"]  # plain JSON, as checkpoints hold it
+
+
+@pytest.mark.parametrize("model", ["sfcnn", "sesn"])
+def test_the_peers_train_through_the_command_line(model, tmp_path, source, env):
+    """python train/run.py --model NAME for the paper's peers (a tiny width)."""
+    out = tmp_path / model
+    args = cli(source, out, "--epochs", "1", "--model-arg", "channels=(2,3,4)", model=model)
+    assert run.main(args) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["model"] == model and 0 <= summary["test_acc"] <= 1
+    loaded, meta = load_checkpoint(out / "best.pt")
+    assert meta.model_name == model and loaded.config.channels == (2, 3, 4)

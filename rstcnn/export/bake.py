@@ -109,6 +109,10 @@ def bake(
     form (module docstring); a ValueError where the model does not allow it.
     """
     net = copy.deepcopy(model).eval()
+    if hasattr(net, "plain"):  # a model built on another library gives its plain-torch copy
+        config = getattr(net, "config", None)
+        net = net.plain()
+        net.config = config  # for the example input of adaptive pools
     entry = "logits" if hasattr(net, "logits") else "forward"
     with torch.no_grad():
         graph = _trace_layers(net, entry)

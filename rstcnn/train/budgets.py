@@ -34,6 +34,8 @@ MODELS = (
     "rst_cnn_plus_sl",
     "rdcf_plus",
     "sesn",
+    "sfcnn",
+    "sfcnn_plus",
 )
 # ~12K parameters each at 32x32 with a 48-unit FC layer (channels ~(c, 2c, 3c), c fitted)
 REDUCED_WIDTHS = {
@@ -46,6 +48,10 @@ REDUCED_WIDTHS = {
     "rst_cnn_plus_sl": (6, 13, 20),
     "rdcf_plus": (5, 10, 16),
     "sesn": (11, 22, 33),
+    # regular fields of C8 (8 channels each); SFCNN+ differs from SFCNN only in width, so at
+    # an equal parameter budget it is the same network (its reduced row repeats SFCNN's)
+    "sfcnn": (3, 6, 9),
+    "sfcnn_plus": (3, 6, 9),
 }
 SMOKE_WIDTHS = dict.fromkeys(MODELS, (2, 3, 4))
 # training time per image relative to rst_cnn_fb at the reduced widths, from
@@ -60,6 +66,8 @@ RELATIVE_COST = {
     "rst_cnn_plus_sl": 1.06,
     "rdcf_plus": 0.2,  # not measured: taken as rot_cnn's
     "sesn": 0.12,  # not measured: taken as scale_cnn's
+    "sfcnn": 0.2,  # not measured: taken as rot_cnn's
+    "sfcnn_plus": 0.2,
 }
 
 

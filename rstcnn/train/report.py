@@ -59,6 +59,16 @@ PAPER_RS[("rdcf_plus", "rs-fashion")] = ((71.27, 0.34), (75.94, 0.35), (76.87, 0
 # SESN (the scale-only peer on the Hermite-Gaussian basis, here ``sesn``), Tables 1-2
 PAPER_RS[("sesn", "rs-mnist")] = ((84.58, 0.29), (90.19, 0.39), (90.33, 0.30), (93.40, 0.29))
 PAPER_RS[("sesn", "rs-fashion")] = ((66.28, 0.14), (72.19, 0.05), (69.43, 0.07), (75.85, 0.26))
+# SFCNN and SFCNN+ (the steerable-filter peers, here ``sfcnn`` / ``sfcnn_plus``), Tables 1-2
+PAPER_RS[("sfcnn", "rs-mnist")] = ((85.71, 0.18), (89.69, 0.40), (90.86, 0.20), (93.78, 0.35))
+PAPER_RS[("sfcnn_plus", "rs-mnist")] = ((87.96, 0.05), (92.29, 0.10), (92.20, 0.09), (95.32, 0.09))
+PAPER_RS[("sfcnn", "rs-fashion")] = ((70.80, 0.41), (75.80, 0.11), (74.10, 0.46), (77.76, 0.16))
+PAPER_RS[("sfcnn_plus", "rs-fashion")] = (
+    (71.59, 0.71),
+    (76.32, 0.26),
+    (76.80, 0.55),
+    (80.89, 0.41),
+)
 # Paper Table 3 (STL-10, 3 trials): ID and OOD test accuracy in %.
 PAPER_STL10: dict[str, dict[str, tuple[float, float]]] = {
     "resnet16": {"test": (82.66, 0.53), "test_ood": (37.63, 1.95)},

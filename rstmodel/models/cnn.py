@@ -36,6 +36,20 @@ class CNNConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
 
+def classifier_head(cin: int, config) -> nn.Sequential:
+    """The paper's head on a [B, cin, h, w] map: max-pool to ``config.head_pool`` squared,
+    FC(hidden) -> BN -> ReLU -> dropout -> FC(classes)."""
+    return nn.Sequential(
+        nn.AdaptiveMaxPool2d(config.head_pool),
+        nn.Flatten(),
+        nn.Linear(cin * config.head_pool**2, config.hidden),
+        nn.BatchNorm1d(config.hidden),
+        nn.ReLU(inplace=True),
+        nn.Dropout(config.dropout),
+        nn.Linear(config.hidden, config.num_classes),
+    )
+
+
 class CNN(nn.Module):
     """conv -> ReLU -> max-pool -> BN per layer, then FC(hidden) -> BN -> ReLU -> dropout -> FC.
     x [B, Cin, H, W] -> logits [B, classes]."""
@@ -54,15 +68,7 @@ class CNN(nn.Module):
             ]
             cin = c
         self.features = nn.Sequential(*layers)
-        self.head = nn.Sequential(
-            nn.AdaptiveMaxPool2d(config.head_pool),
-            nn.Flatten(),
-            nn.Linear(cin * config.head_pool**2, config.hidden),
-            nn.BatchNorm1d(config.hidden),
-            nn.ReLU(inplace=True),
-            nn.Dropout(config.dropout),
-            nn.Linear(config.hidden, config.num_classes),
-        )
+        self.head = classifier_head(cin, config)
 
     def check_input(self, x: Tensor) -> None:
         check_images(x, self.config.in_channels, self.config.input_size)
