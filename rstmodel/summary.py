@@ -24,6 +24,13 @@ def describe(name: str) -> dict[str, str]:
             taps=f"L_theta={getattr(cfg, 'rotation_taps', 1)} L_alpha={getattr(cfg, 'scale_taps', 1)}",
             kernels="/".join(str(k) for k in spec.kernel_sizes),
         )
+    elif hasattr(cfg, "rotations"):  # the e2cnn peers: regular fields of the cyclic group
+        row.update(
+            basis="e2cnn steerable",
+            group=f"C{cfg.rotations} regular",
+            taps=f"L_theta={cfg.rotations}",
+            kernels=str(cfg.kernel_size),
+        )
     row["about"] = model_description(name)
     return row
 

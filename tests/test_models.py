@@ -368,3 +368,11 @@ def test_sfcnn_plain_copy_gives_the_same_logits():
     assert all(
         type(m).__module__.split(".")[0] in {"torch", "rstmodel"} for m in model.plain().modules()
     )
+
+
+def test_summary_describes_the_rst_models_and_the_e2cnn_peers():
+    from rstmodel.summary import describe
+
+    assert describe("rst_cnn_fb")["group"] == "Nr=8 Ns=4"
+    row = describe("sfcnn")
+    assert row["group"] == "C8 regular" and row["params"] == "509,992" and row["kernels"] == "7"
