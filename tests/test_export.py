@@ -618,7 +618,7 @@ def test_quarter_turn_form_exports_and_runs_in_onnxruntime(tmp_path):
     assert np.abs(got - expected).max() <= 1e-4 * max(np.abs(expected).max(), 1.0)
 
 
-@pytest.mark.parametrize("name", ["rdcf_plus", "sesn", "sfcnn", "sfcnn_plus"])
+@pytest.mark.parametrize("name", ["rdcf_plus", "sesn", "sfcnn", "sfcnn_plus", "sevf"])
 def test_the_paper_peers_export_and_match_through_onnxruntime(name, tmp_path):
     """The peers take the same path as every model: checkpoint -> export/to_onnx.py's
     export_onnx -> onnxruntime, with the eager model's logits."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ PAPER_MODELS = {
     "sesn",
     "sfcnn",
     "sfcnn_plus",
+    "sevf",
     "resnet16",
     "rst_resnet16",
 }
@@ -143,6 +145,7 @@ def test_overrides_reach_the_config():
         ("sesn", 500_000, 0.05),
         ("sfcnn", 500_000, 0.05),
         ("sfcnn_plus", 1_600_000, 0.05),
+        ("sevf", 500_000, 0.05),
     ],
 )
 def test_parameter_counts_match_the_paper(name, target, tol):
@@ -376,3 +379,25 @@ def test_summary_describes_the_rst_models_and_the_e2cnn_peers():
     assert describe("rst_cnn_fb")["group"] == "Nr=8 Ns=4"
     row = describe("sfcnn")
     assert row["group"] == "C8 regular" and row["params"] == "509,992" and row["kernels"] == "7"
+
+
+def test_sevf_carries_the_scale_of_the_largest_response_as_a_direction():
+    """ScaleVectorField: per channel and pixel the largest response over the scales is the
+    magnitude, and its scale s the direction pi s / (Ns - 1); the 2x2 max-pool keeps the
+    scale of the pixel it keeps."""
+    from rstmodel.models.sevf import ScaleVectorField
+
+    layer = ScaleVectorField(1, 4).eval()  # batch norm at its initial statistics: identity
+    y = torch.zeros(1, 1, 1, 4, 2, 2)
+    y[0, 0, 0, 2, 0, 1] = 5.0  # the pooled window's maximum: scale 2
+    y[0, 0, 0, 3, 1, 0] = 3.0
+    with torch.no_grad():
+        out = layer(y)
+    assert out.shape == (1, 2, 1, 1)
+    angle = math.pi * 2 / 3
+    eps = layer.norm.eps
+    expected = 5.0 / math.sqrt(1 + eps) * torch.tensor([math.cos(angle), math.sin(angle)])
+    torch.testing.assert_close(out.flatten(), expected.float())
+    last = ScaleVectorField(1, 4, last=True).eval()
+    with torch.no_grad():
+        assert last(y).shape == (1, 1, 1, 1)

@@ -743,7 +743,7 @@ def test_train_config_is_frozen_validated_and_varied_by_replace():
     assert settings["train_resampling"] == ["bicubic"]  # plain JSON, as checkpoints hold it
 
 
-@pytest.mark.parametrize("model", ["sfcnn", "sesn"])
+@pytest.mark.parametrize("model", ["sfcnn", "sesn", "sevf"])
 def test_the_peers_train_through_the_command_line(model, tmp_path, source, env):
     """python train/run.py --model NAME for the paper's peers (a tiny width)."""
     out = tmp_path / model

@@ -36,6 +36,7 @@ MODELS = (
     "sesn",
     "sfcnn",
     "sfcnn_plus",
+    "sevf",
 )
 # ~12K parameters each at 32x32 with a 48-unit FC layer (channels ~(c, 2c, 3c), c fitted)
 REDUCED_WIDTHS = {
@@ -52,6 +53,7 @@ REDUCED_WIDTHS = {
     # an equal parameter budget it is the same network (its reduced row repeats SFCNN's)
     "sfcnn": (3, 6, 9),
     "sfcnn_plus": (3, 6, 9),
+    "sevf": (7, 15, 22),
 }
 SMOKE_WIDTHS = dict.fromkeys(MODELS, (2, 3, 4))
 # training time per image relative to rst_cnn_fb at the reduced widths, from
@@ -68,6 +70,7 @@ RELATIVE_COST = {
     "sesn": 0.12,  # not measured: taken as scale_cnn's
     "sfcnn": 0.2,  # not measured: taken as rot_cnn's
     "sfcnn_plus": 0.2,
+    "sevf": 0.12,  # not measured: taken as scale_cnn's
 }
 
 

@@ -69,6 +69,9 @@ PAPER_RS[("sfcnn_plus", "rs-fashion")] = (
     (76.80, 0.55),
     (80.89, 0.41),
 )
+# SEVF (the scale-equivariant vector-field peer, here ``sevf``), Tables 1-2
+PAPER_RS[("sevf", "rs-mnist")] = ((85.76, 0.38), (90.29, 0.37), (89.97, 0.42), (93.47, 0.18))
+PAPER_RS[("sevf", "rs-fashion")] = ((66.57, 0.32), (71.03, 0.31), (68.83, 0.52), (73.25, 0.22))
 # Paper Table 3 (STL-10, 3 trials): ID and OOD test accuracy in %.
 PAPER_STL10: dict[str, dict[str, tuple[float, float]]] = {
     "resnet16": {"test": (82.66, 0.53), "test_ood": (37.63, 1.95)},

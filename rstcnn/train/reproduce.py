@@ -6,7 +6,7 @@ RST augmentation, over trials; mean +- std beside the paper's numbers.
     python train/reproduce.py --data rs-fashion --budget smoke               # seconds (CI)
 
 Models: cnn, rst_cnn_fb, rst_cnn_sl, rot_cnn, scale_cnn, rst_cnn_plus_fb, rst_cnn_plus_sl and the
-peers rdcf_plus, sesn, sfcnn, sfcnn_plus (the last two need the peers extra, e2cnn).
+peers rdcf_plus, sesn, sfcnn, sfcnn_plus, sevf (sfcnn and sfcnn_plus need the peers extra, e2cnn).
 Budgets (``BUDGETS``):
 
 - ``full``: the paper's protocol: the registered (~500K / 1.6M parameter) models, 56x56 images,

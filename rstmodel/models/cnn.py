@@ -36,17 +36,17 @@ class CNNConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
 
-def classifier_head(cin: int, config) -> nn.Sequential:
-    """The paper's head on a [B, cin, h, w] map: max-pool to ``config.head_pool`` squared,
-    FC(hidden) -> BN -> ReLU -> dropout -> FC(classes)."""
+def classifier_head(cin: int, hidden: int, dropout: float, classes: int, *, pool: int):
+    """The paper's head on a [B, cin, h, w] map: max-pool to ``pool`` x ``pool``, FC(hidden)
+    -> BN -> ReLU -> dropout -> FC(classes)."""
     return nn.Sequential(
-        nn.AdaptiveMaxPool2d(config.head_pool),
+        nn.AdaptiveMaxPool2d(pool),
         nn.Flatten(),
-        nn.Linear(cin * config.head_pool**2, config.hidden),
-        nn.BatchNorm1d(config.hidden),
+        nn.Linear(cin * pool**2, hidden),
+        nn.BatchNorm1d(hidden),
         nn.ReLU(inplace=True),
-        nn.Dropout(config.dropout),
-        nn.Linear(config.hidden, config.num_classes),
+        nn.Dropout(dropout),
+        nn.Linear(hidden, classes),
     )
 
 
@@ -68,7 +68,9 @@ class CNN(nn.Module):
             ]
             cin = c
         self.features = nn.Sequential(*layers)
-        self.head = classifier_head(cin, config)
+        self.head = classifier_head(
+            cin, config.hidden, config.dropout, config.num_classes, pool=config.head_pool
+        )
 
     def check_input(self, x: Tensor) -> None:
         check_images(x, self.config.in_channels, self.config.input_size)

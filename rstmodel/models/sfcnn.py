@@ -110,7 +110,13 @@ class SFCNN(nn.Module):
             conv._basisexpansion = copy.deepcopy(conv._basisexpansion)
         self.features = enn.SequentialModule(*layers)
         self.pool = FieldMaxPool(config.rotations)
-        self.head = classifier_head(config.channels[-1], config)
+        self.head = classifier_head(
+            config.channels[-1],
+            config.hidden,
+            config.dropout,
+            config.num_classes,
+            pool=config.head_pool,
+        )
         self._geometric = enn.GeometricTensor
 
     def check_input(self, x: Tensor) -> None:
