@@ -29,7 +29,7 @@ REPRO_BUDGET="${REPRO_BUDGET:-full}"
 REPRO_SIZES="${REPRO_SIZES:-5000}"
 RESULTS="${RESULTS:-results/reproduce/rs-fashion-$REPRO_BUDGET}"
 # one process per shard: models (comma-separated) @ trials; cells finished in RESULTS are skipped
-SHARDS="${SHARDS:-rst_cnn_fb@2 cnn,scale_cnn@3 rot_cnn@3 sesn@3 rst_cnn_sl@1}"
+SHARDS="${SHARDS:-rst_cnn_fb@2 scale_cnn@3 rot_cnn@3 sesn@3 rst_cnn_sl@1}"
 FASTPATH_SETTINGS="${FASTPATH_SETTINGS:-fp32;bf16}"  # train/fastpath.py's names, ';'-separated
 FASTPATH_ARGS="${FASTPATH_ARGS---profile --compile}"
 FASTPATH_TIMEOUT="${FASTPATH_TIMEOUT:-180}"
