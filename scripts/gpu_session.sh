@@ -9,7 +9,7 @@
 # 2. train/fastpath.py, alone on the GPU: the training step and evaluation of rst_cnn_fb and
 #    the CNN in FASTPATH_SETTINGS, a torch.profiler profile of the fastest training step
 #    (profile.md: device busy fraction, launches, the kernels that take the time) and
-#    torch.compile of that step; the fastest setting is what the runs below train with;
+#    torch.compile of that step (for the record: the runs below train with REPRO_FLAGS);
 # 3. the paper's protocol (train/reproduce.py --budget REPRO_BUDGET, N_tr REPRO_SIZES) as
 #    SHARDS side by side, each shard one process with its own --deadline (a run cut off keeps
 #    last.pt and resumes next time from its resume-<run>.tgz), plus tests/test_cuda.py. Finished runs
@@ -33,6 +33,9 @@ SHARDS="${SHARDS:-rst_cnn_fb@2 scale_cnn@3 rot_cnn@3 sesn@3 rst_cnn_sl@1}"
 FASTPATH_SETTINGS="${FASTPATH_SETTINGS:-fp32;bf16}"  # train/fastpath.py's names, ';'-separated
 FASTPATH_ARGS="${FASTPATH_ARGS---profile --compile}"
 FASTPATH_TIMEOUT="${FASTPATH_TIMEOUT:-180}"
+# the protocol's precision, fixed (not taken from this call's fastest setting): a resumed run
+# must keep the settings it began with, and every recorded run so far is bfloat16 autocast
+REPRO_FLAGS="${REPRO_FLAGS---bf16}"
 RESUME="${RESUME:-.gpu_resume}"      # unfinished runs carried from the last call (resume-*.tgz)
 DATA_ROOT="${DATA_ROOT:-.gpu_data}"  # the Fashion-MNIST IDX files
 OUT="${OUT:-$PWD/runs/gpu-out}"
@@ -89,8 +92,8 @@ log "data ready: $(ls "$RSTCNN_DATA"/rs-fashion/seed*/*.npz 2>/dev/null | wc -l)
 collect
 
 # 3. the protocol's shards side by side, each in its own process group
-repro_flags=()
-[[ "$FLAGS" == *--bf16* ]] && repro_flags+=(--bf16)
+# shellcheck disable=SC2206
+repro_flags=($REPRO_FLAGS)
 pids=()
 for shard in $SHARDS; do
     models="${shard%@*}"

@@ -217,6 +217,7 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
         "REPRO_SIZES": "64",
         "RESULTS": str(record),
         "RESUME": str(tmp_path / "nothing-to-resume"),
+        "REPRO_FLAGS": "",  # float32 on the CPU (the GPU default is --bf16)
         "SHARDS": "rst_cnn_fb@1 cnn,scale_cnn@2",
         "FASTPATH_ARGS": "--steps 1 --batch 8 --profile --model-arg channels=(4,6,8)",
         "DATA_ROOT": str(source["root"]),
