@@ -113,15 +113,16 @@ class SEVF(nn.Module):
     def forward_features(self, x: Tensor) -> Tensor:
         """The last layer's magnitudes, [B, C, h, w]."""
         self.check_input(x)
-        for conv, field in zip(self.convs, self.fields, strict=True):
-            x = field(conv(x))
-        return x
+        return self._magnitudes(x)
 
     def logits(self, x: Tensor) -> Tensor:
         """``forward`` without the input check."""
+        return self.head(self._magnitudes(x))
+
+    def _magnitudes(self, x: Tensor) -> Tensor:
         for conv, field in zip(self.convs, self.fields, strict=True):
             x = field(conv(x))
-        return self.head(x)
+        return x
 
     def plain(self) -> SEVF:
         """An eval-mode copy whose convolutions are ``StaticScales`` (plain ``Conv2d``): the

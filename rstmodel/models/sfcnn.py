@@ -130,13 +130,14 @@ class SFCNN(nn.Module):
         """The last layer's regular fields, x [B, Cin, H, W] -> [B, C, R, h, w] (R = the
         rotations: a field's channels, which a rotation of the input shifts cyclically)."""
         self.check_input(x)
-        y = self.features(self._geometric(x, self.in_type)).tensor
-        return y.unflatten(1, (-1, self.config.rotations))
+        return self._fields(x).unflatten(1, (-1, self.config.rotations))
 
     def logits(self, x: Tensor) -> Tensor:
         """``forward`` without the input check."""
-        y = self.features(self._geometric(x, self.in_type)).tensor
-        return self.head(self.pool(y))
+        return self.head(self.pool(self._fields(x)))
+
+    def _fields(self, x: Tensor) -> Tensor:
+        return self.features(self._geometric(x, self.in_type)).tensor
 
     def state_dict(self, *args, **kwargs):
         """Without ``e2cnn``'s derived buffers (each layer's expanded filter and bias, there
