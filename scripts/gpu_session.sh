@@ -14,6 +14,9 @@
 #    SHARDS side by side, each shard one process with its own --deadline (a run cut off keeps
 #    last.pt and resumes next time from its resume-<run>.tgz), plus tests/test_cuda.py. Finished runs
 #    land in the committed record RESULTS (results/reproduce/rs-fashion-full).
+#    Beside them, on the machine's CPU cores: export/split_check.py, the file the app serves
+#    (SPLIT_SERVED) against its float32 checkpoint (SPLIT_CHECKPOINT, eager on the GPU) on the
+#    whole test split, resumable (split-check.tgz comes back; carry it in RESUME/split-check).
 # Comes back in $OUT: logs.tgz (logs/, and fastpath/: fastpath.md, fastpath.json,
 # profile.md), record.tgz (RESULTS: each finished run's summary and metrics, kept as each run
 # finishes), resume-<run>.tgz (each unfinished run's folder: unpack all into .gpu_resume/ and
@@ -33,6 +36,10 @@ SHARDS="${SHARDS:-rst_cnn_fb@2 scale_cnn@3 rot_cnn@3 sesn@3 rst_cnn_sl@1}"
 FASTPATH_SETTINGS="${FASTPATH_SETTINGS:-fp32;bf16}"  # train/fastpath.py's names, ';'-separated
 FASTPATH_ARGS="${FASTPATH_ARGS---profile --compile}"
 FASTPATH_TIMEOUT="${FASTPATH_TIMEOUT:-180}"
+SPLIT_CHECKPOINT="${SPLIT_CHECKPOINT-models/rst_cnn_fb.pt}"  # empty: no split check
+SPLIT_SERVED="${SPLIT_SERVED:-models/rst_cnn_fb.int8.onnx}"
+SPLIT_THREADS="${SPLIT_THREADS:-6}"
+SPLIT_LIMIT="${SPLIT_LIMIT:-}"       # only the last N test images (empty: the whole split)
 # the protocol's precision, fixed (not taken from this call's fastest setting): a resumed run
 # must keep the settings it began with, and every recorded run so far is bfloat16 autocast
 REPRO_FLAGS="${REPRO_FLAGS---bf16}"
@@ -58,6 +65,9 @@ collect() {  # what has appeared so far -> $OUT (comes back even if the call is 
     (cd "$WORK" && tar czf "$OUT/fastpath.tmp" $(ls -d fastpath logs 2>/dev/null)) \
         && mv -f "$OUT/fastpath.tmp" "$OUT/logs.tgz"
     tar czf "$OUT/record.tmp" "$RESULTS" && mv -f "$OUT/record.tmp" "$OUT/record.tgz"
+    if [[ -d "$WORK/split-check" ]]; then
+        (cd "$WORK" && tar czf "$OUT/split.tmp" split-check) && mv -f "$OUT/split.tmp" "$OUT/split-check.tgz"
+    fi
     rm -f "$OUT"/resume-*.tgz  # one file per unfinished run (a file comes back up to 16 MiB)
     for run in "$WORK"/reproduce/*/*/*/; do
         [[ -f "$run/last.pt" && ! -f "$run/summary.json" ]] || continue
@@ -105,6 +115,14 @@ for shard in $SHARDS; do
         >"$WORK/logs/reproduce-${models//,/-}.log" 2>&1 &
     pids+=($!)
 done
+if [[ -n "$SPLIT_CHECKPOINT" ]]; then
+    mkdir -p "$WORK/split-check"
+    [[ -d "$RESUME/split-check" ]] && cp -r "$RESUME/split-check"/. "$WORK/split-check/"
+    timeout $((DEADLINE - SECONDS > 30 ? DEADLINE - SECONDS : 30)) "$PY" -m rstcnn.export.split_check \
+        "$SPLIT_CHECKPOINT" "$SPLIT_SERVED" --device "$DEVICE" --threads "$SPLIT_THREADS" ${SPLIT_LIMIT:+--limit "$SPLIT_LIMIT"} \
+        --out "$WORK/split-check/$(basename "$SPLIT_SERVED" .onnx).json" --no-progress \
+        >"$WORK/logs/split-check.log" 2>&1 &
+fi
 if [[ "$DEVICE" == cuda ]]; then
     timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py >"$WORK/logs/test_cuda.log" 2>&1 &
 fi
@@ -125,5 +143,6 @@ wait
 log "finished runs in the record: $(ls "$RESULTS"/runs 2>/dev/null | tr '\n' ' ')"
 log "unfinished: $(cd "$WORK/reproduce" && for d in */*/*/; do [[ -f $d/summary.json ]] || echo -n "$d "; done)"
 log "test_cuda: $(tail -1 "$WORK/logs/test_cuda.log" 2>/dev/null)"
+log "split check: $(tail -1 "$WORK/logs/split-check.log" 2>/dev/null)"
 log "done"
 collect

@@ -635,3 +635,79 @@ def test_the_paper_peers_export_and_match_through_onnxruntime(name, tmp_path):
         expected = loaded(x).numpy()
     (got,) = session(path).run(None, {"images": x.numpy()})
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+# ---------------------------------------------------------------- whole-split check
+
+
+def test_split_check_compares_the_served_file_with_eager_and_resumes(
+    rst_export, tmp_path, monkeypatch, capsys
+):
+    from rstcnn.export import split_check
+    from rstcnn.serve.classifier import Classifier
+
+    for key, value in data_cache(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    path, checkpoint = rst_export[0], rst_export[3]
+    out = tmp_path / "check.json"
+    argv = [str(checkpoint), str(path), "--out", str(out), "--no-progress", "--chunk", "5"]
+    assert split_check.main([*argv, "--limit", "12"]) == 0
+    first = json.loads(out.read_text())
+    assert first["images"] == first["of"] == 12 and first["within_gate"]
+    assert first["top1_agreement"] == 1.0 and first["points"] == 0.0
+    assert first["max_abs_logit_diff"] < 1e-4  # the float32 file is the eager model
+    assert first["precision"] == "fp32" and "within the 0.5 gate" in capsys.readouterr().out
+
+    # a call stopped after two chunks: the next call runs only the third
+    state_path = out.with_suffix(".state.npz")
+    with np.load(state_path) as saved:
+        arrays = {k: saved[k].copy() for k in saved.files}
+    arrays["served"][10:] = -1
+    np.savez(state_path, **arrays)
+    seen = []
+    original = Classifier.run_logits
+    monkeypatch.setattr(
+        Classifier, "run_logits", lambda self, b: seen.append(len(b)) or original(self, b)
+    )
+    assert split_check.main([*argv, "--limit", "12"]) == 0
+    assert seen == [2] and json.loads(out.read_text())["top1_agreement"] == 1.0
+
+    # other images: the saved state is not reused
+    seen.clear()
+    assert split_check.main([*argv, "--limit", "7"]) == 0
+    assert seen == [5, 2] and json.loads(out.read_text())["of"] == 7
+
+
+def test_split_check_names_what_is_missing(rst_export, tmp_path, monkeypatch, capsys):
+    from rstcnn.export import split_check
+
+    monkeypatch.setenv("RSTCNN_DATA", str(tmp_path / "nothing"))
+    argv = [str(rst_export[3]), str(rst_export[0]), "--out", str(tmp_path / "x.json")]
+    assert split_check.main([*argv, "--limit", "4"]) == 2
+    assert "python train/prepare_data.py" in capsys.readouterr().err
+    assert split_check.main([str(tmp_path / "none.pt"), str(rst_export[0]), "--limit", "4"]) == 2
+
+
+def test_data_sample_whole_split_is_what_follows_training_and_validation(
+    rst_export, tmp_path, monkeypatch
+):
+    import dataclasses
+
+    from rstcnn.export.onnx_export import ExportError, data_sample
+
+    for key, value in data_cache(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    meta = rst_export[2]
+    with pytest.raises(ExportError, match="train_size"):
+        data_sample(meta, None)
+
+    def with_run(**sizes):
+        return dataclasses.replace(
+            meta, extra={**meta.extra, "run": {**meta.extra["run"], **sizes}}
+        )
+
+    images, labels = data_sample(with_run(train_size=20, val_size=10), None, labels=True)
+    fewer = data_sample(with_run(train_size=25, val_size=10), None)
+    assert len(labels) == len(images) > 0 and len(fewer) == len(images) - 5
+    assert np.array_equal(images, data_sample(meta, len(images)))  # the end of the permutation
+    assert len(data_sample(with_run(train_size=20, val_size=10), None, split="train")) == 20

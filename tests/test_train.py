@@ -225,6 +225,8 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
         "OUT": str(out),
         "PY": sys.executable,
         "RSTCNN_ALLOCATOR": "system",
+        "SPLIT_LIMIT": "8",  # the served file against its checkpoint on the last 8 test images
+        "SPLIT_THREADS": "1",
     }
 
     def session(**more):
@@ -243,7 +245,11 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
     assert "data ready: 3 renderings" in stdout, stdout
     assert "fastest training setting: flags" in stdout and "device busy per step" in stdout
     assert "past the deadline" not in stdout  # every shard finished in time
-    assert sorted(p.name for p in out.iterdir()) == ["logs.tgz", "record.tgz"]
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tgz", "record.tgz", "split-check.tgz"]
+    with tarfile.open(out / "split-check.tgz") as tar:
+        check = json.load(tar.extractfile("split-check/rst_cnn_fb.int8.json"))
+    assert check["images"] == check["of"] == 8 and check["precision"] == "int8"
+    assert "split check: 8 of 8 images" in stdout
     with tarfile.open(out / "logs.tgz") as tar:
         rows = json.load(tar.extractfile("fastpath/fastpath.json"))
         assert {row["model"] for row in rows} == {"cnn", "rst_cnn_fb"}
@@ -277,12 +283,14 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
     stdout = session(
         SHARDS="rst_cnn_fb@1",
         RESUME=str(resume),
+        SPLIT_CHECKPOINT="",  # off
         FASTPATH_ARGS=settings["FASTPATH_ARGS"].replace(" --profile", ""),
     )
     assert "resuming" in (work / "logs" / "reproduce-rst_cnn_fb.log").read_text().lower()
     summary = json.loads((record / "runs" / "rst_cnn_fb-64-t0" / "summary.json").read_text())
     assert summary["epochs"] == 1 and summary["train_images"] == 64
     assert sorted(p.name for p in out.glob("resume-*.tgz")) == ["resume-scale_cnn-64-t1.tgz"]
+    assert "split check: 8 of 8" not in stdout  # SPLIT_CHECKPOINT="" turns it off
     with tarfile.open(out / "resume-scale_cnn-64-t1.tgz") as tar:
         assert "rs-fashion/smoke/scale_cnn-64-t1/last.pt" in tar.getnames()
 

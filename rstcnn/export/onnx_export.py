@@ -210,7 +210,7 @@ def dataset_of(meta: CheckpointMeta) -> str:
 
 def data_sample(
     meta: CheckpointMeta,
-    count: int,
+    count: int | None,
     *,
     stl10_root: str | Path | None = None,
     split: str = "test",
@@ -219,8 +219,10 @@ def data_sample(
     """``count`` uint8 images ``[N, C, H, W]`` (and their int64 labels with ``labels``) of
     the data set the checkpoint was trained on, read from the prepared cache (never prepared
     here). ``split``: "test" (the end of the RS permutation) or "train" (its start: the
-    images a model was trained on, for calibration)."""
-    from rstmodel.data import RSConfig, default_cache_dir, load_stl10
+    images a model was trained on, for calibration). ``count`` None: the run's whole split
+    (RS data: the images after its ``train_size`` + ``val_size``, or its training images;
+    STL-10: the whole test or training set)."""
+    from rstmodel.data import NUM_VAL, RSConfig, default_cache_dir, load_stl10
     from rstmodel.data.cache import load_cached
 
     if split not in ("test", "train"):
@@ -246,6 +248,12 @@ def data_sample(
         )
     arrays, _ = cached
     order = arrays["order"]
+    if count is None:
+        if "train_size" not in run:
+            raise ExportError("the checkpoint does not record its train_size: pass a count")
+        train, val = int(run["train_size"]), run.get("val_size")
+        val = NUM_VAL if val is None else int(val)
+        count = train if split == "train" else len(order) - train - val
     # the start of the permutation is training data, its end test data
     chosen = order[:count] if split == "train" else order[len(order) - count :]
     picked = np.sort(chosen)

@@ -1,0 +1,200 @@
+"""The file a server runs against the float32 eager model, on a whole test split.
+
+    python -m export.split_check CHECKPOINT FILE.onnx [--out JSON] [--limit N]
+        [--chunk 512] [--device cpu|cuda] [--threads N]
+
+``FILE.onnx`` (any precision ``export/to_onnx.py`` writes) runs through
+``serve.Classifier.from_onnx`` with its defaults, as the app runs it; ``CHECKPOINT`` runs in
+float32 eval mode (no autocast, no TF32 on a GPU). Both see the same uint8 images: the
+checkpoint's own test split (RS data: every image after the run's training and validation
+images; STL-10: the test set), or its last ``--limit`` images.
+
+Prints and writes (``--out``, default ``FILE.split-check.json``) both accuracies, the
+difference in points, top-1 agreement, the largest logit difference and whether the
+difference is within the reduced-precision gate (``export.precision.GATE_POINTS``).
+
+A whole split is hours of CPU for the RST-CNN, so the run is resumable: each chunk's
+predictions are written at once (atomically) to ``OUT.state.npz``, and a second call with the
+same files and images goes on from the first chunk not done; other files or images start
+afresh. Exit 0 when the file is within the gate, 1 when not, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["SplitState", "check_split", "main"]
+
+
+class SplitState:
+    """Per-image results of a split check, saved after every chunk: the served file's and
+    the eager model's top-1 class (-1 where not yet run), the labels and the largest
+    |logit difference| per image. ``key`` names what they belong to (both files' digests
+    and the images'), so a state of other inputs is never reused."""
+
+    def __init__(self, path: Path, key: str, labels: np.ndarray):
+        self.path, self.key = path, key
+        self.labels = labels.astype(np.int64)
+        count = len(labels)
+        self.served = np.full(count, -1, np.int64)
+        self.eager = np.full(count, -1, np.int64)
+        self.diff = np.zeros(count, np.float32)
+        if path.is_file():
+            try:
+                with np.load(path) as saved:
+                    same = str(saved["key"]) == key and len(saved["served"]) == count
+                    if same:
+                        self.served, self.eager = saved["served"], saved["eager"]
+                        self.diff = saved["diff"]
+            except (OSError, ValueError, KeyError) as err:
+                print(f"{path}: unreadable ({err}); starting afresh", file=sys.stderr)
+
+    @property
+    def done(self) -> int:
+        return int((self.served >= 0).sum())
+
+    def record(self, start: int, served: np.ndarray, eager: np.ndarray) -> None:
+        end = start + len(served)
+        self.served[start:end] = served.argmax(1)
+        self.eager[start:end] = eager.argmax(1)
+        self.diff[start:end] = np.abs(served - eager).max(1)
+        tmp = self.path.with_name(f".{self.path.name}.tmp.npz")
+        np.savez(tmp, key=self.key, served=self.served, eager=self.eager, diff=self.diff)
+        tmp.replace(self.path)
+
+    def summary(self) -> dict:
+        from rstcnn.export.precision import GATE_POINTS
+
+        done = self.served >= 0
+        n = int(done.sum())
+        served = float((self.served[done] == self.labels[done]).mean()) if n else 0.0
+        eager = float((self.eager[done] == self.labels[done]).mean()) if n else 0.0
+        points = 100 * (served - eager)
+        return {
+            "images": n,
+            "of": len(self.labels),
+            "served_accuracy": served,
+            "eager_accuracy": eager,
+            "points": points,
+            "top1_agreement": float((self.served[done] == self.eager[done]).mean()) if n else 0.0,
+            "max_abs_logit_diff": float(self.diff[done].max()) if n else 0.0,
+            "gate_points": GATE_POINTS,
+            "within_gate": bool(n == len(self.labels) and points >= -GATE_POINTS),
+        }
+
+
+def check_split(
+    checkpoint: Path,
+    served_file: Path,
+    state_path: Path,
+    *,
+    limit: int | None = None,
+    chunk: int = 512,
+    device: str = "cpu",
+    threads: int | None = None,
+    progress: bool = True,
+) -> dict:
+    """Run (or go on with) the check; returns ``SplitState.summary()`` plus what was run."""
+    import torch
+    from tqdm import tqdm
+
+    from rstcnn.export.onnx_export import data_sample, file_sha256
+    from rstcnn.serve.classifier import Classifier
+    from rstmodel.checkpoint import load_checkpoint
+
+    model, meta = load_checkpoint(checkpoint, map_location=device)
+    model = model.float().to(device).eval()
+    images, labels = data_sample(meta, limit, labels=True)
+    served = Classifier.from_onnx(served_file, threads=threads)
+    key = json.dumps(
+        {
+            "checkpoint": file_sha256(checkpoint),
+            "served": file_sha256(served_file),
+            "images": len(images),
+            "first_label_digest": int(np.asarray(labels, np.int64).sum()),
+        }
+    )
+    state = SplitState(state_path, key, np.asarray(labels))
+    mean = np.asarray(meta.mean, np.float32).reshape(1, -1, 1, 1)
+    std = np.asarray(meta.std, np.float32).reshape(1, -1, 1, 1)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    start_time = time.perf_counter()
+    bar = tqdm(total=len(images), initial=state.done, unit="img", disable=not progress)
+    for start in range(0, len(images), chunk):
+        if state.served[start] >= 0:
+            continue
+        batch = images[start : start + chunk].astype(np.float32) / 255
+        served_logits = served.run_logits(served.normalize(batch))
+        x = torch.from_numpy((batch - mean) / std).to(device)
+        with torch.no_grad():
+            eager_logits = model(x).float().cpu().numpy()
+        state.record(start, served_logits, eager_logits)
+        bar.update(len(batch))
+    bar.close()
+    summary = state.summary()
+    summary.update(
+        checkpoint=str(checkpoint),
+        served_file=str(served_file),
+        precision=str(served.metadata.get("rstcnn.precision", "fp32")),
+        eager_device=device,
+        providers=list(served.providers),
+        seconds_this_call=round(time.perf_counter() - start_time, 1),
+    )
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m export.split_check", description=__doc__)
+    parser.add_argument("checkpoint", type=Path, help="the float32 reference (.pt)")
+    parser.add_argument("served", type=Path, help="the ONNX file the app serves")
+    parser.add_argument("--out", type=Path, help="JSON result (default FILE.split-check.json)")
+    parser.add_argument("--limit", type=int, help="only the last N test images")
+    parser.add_argument("--chunk", type=int, default=512, help="images per saved step")
+    parser.add_argument("--device", default="cpu", help="the eager model's device")
+    parser.add_argument("--threads", type=int, help="onnxruntime intra-op threads")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    if args.limit is not None and args.limit < 1:
+        parser.error("--limit needs a positive number of images")
+    if args.chunk < 1:
+        parser.error("--chunk needs a positive number of images")
+    out = args.out or args.served.with_suffix(".split-check.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        summary = check_split(
+            args.checkpoint,
+            args.served,
+            out.with_suffix(".state.npz"),
+            limit=args.limit,
+            chunk=args.chunk,
+            device=args.device,
+            threads=args.threads,
+            progress=not args.no_progress,
+        )
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        print(f"split_check: {err}", file=sys.stderr)
+        return 2
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.replace(out)
+    verdict = "within" if summary["within_gate"] else "NOT within"
+    print(
+        f"{summary['images']} of {summary['of']} images: served {100 * summary['served_accuracy']:.2f} %, "
+        f"float32 eager {100 * summary['eager_accuracy']:.2f} % ({summary['points']:+.2f} points, "
+        f"{verdict} the {summary['gate_points']} gate{'' if summary['images'] == summary['of'] else ': unfinished'}), "
+        f"top-1 agreement {100 * summary['top1_agreement']:.2f} %, "
+        f"max |logit diff| {summary['max_abs_logit_diff']:.3g}  ({out})"
+    )
+    return 0 if summary["within_gate"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
