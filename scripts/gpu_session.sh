@@ -17,8 +17,11 @@
 #    Beside them, on the machine's CPU cores: export/split_check.py, the file the app serves
 #    (SPLIT_SERVED) against its float32 checkpoint (SPLIT_CHECKPOINT, eager on the GPU) on the
 #    whole test split, resumable (split-check.tgz comes back; carry it in RESUME/split-check).
-# Comes back in $OUT: logs.tgz (logs/, and fastpath/: fastpath.md, fastpath.json,
-# profile.md), record.tgz (RESULTS: each finished run's summary and metrics, kept as each run
+# 4. train/k_sweep.py --report: the basis-size sweep's table and plot (accuracy against eval
+#    time on this card) from the record; its runs are shards like any other, e.g.
+#    SHARDS="rst_cnn_fb_k6,rst_cnn_fb_k9@3 rst_cnn_fb_k17,rst_cnn_fb_ref@3".
+# Comes back in $OUT: logs.tgz (logs/; fastpath/: fastpath.md, fastpath.json,
+# profile.md; k-sweep/: sweep.md, sweep.json, accuracy-vs-time.png), record.tgz (RESULTS: each finished run's summary and metrics, kept as each run
 # finishes), resume-<run>.tgz (each unfinished run's folder: unpack all into .gpu_resume/ and
 # carry it into the next call, RESUME).
 #
@@ -36,6 +39,7 @@ SHARDS="${SHARDS:-rst_cnn_fb@2 scale_cnn@3 rot_cnn@3 sesn@3 rst_cnn_sl@1}"
 FASTPATH_SETTINGS="${FASTPATH_SETTINGS:-fp32;bf16}"  # train/fastpath.py's names, ';'-separated
 FASTPATH_ARGS="${FASTPATH_ARGS---profile --compile}"
 FASTPATH_TIMEOUT="${FASTPATH_TIMEOUT:-180}"
+K_SWEEP_MODELS="${K_SWEEP_MODELS-rst_cnn_fb_k6 rst_cnn_fb_k9 rst_cnn_fb rst_cnn_fb_k17 rst_cnn_fb_ref}"
 SPLIT_CHECKPOINT="${SPLIT_CHECKPOINT-models/rst_cnn_fb.pt}"  # empty: no split check
 SPLIT_SERVED="${SPLIT_SERVED:-models/rst_cnn_fb.int8.onnx}"
 SPLIT_THREADS="${SPLIT_THREADS:-6}"
@@ -62,7 +66,7 @@ log() { echo "[gpu +$((SECONDS))s] $*" | tee -a "$LOG"; }
 
 collect() {  # what has appeared so far -> $OUT (comes back even if the call is cut off)
     local run
-    (cd "$WORK" && tar czf "$OUT/fastpath.tmp" $(ls -d fastpath logs 2>/dev/null)) \
+    (cd "$WORK" && tar czf "$OUT/fastpath.tmp" $(ls -d fastpath logs k-sweep 2>/dev/null)) \
         && mv -f "$OUT/fastpath.tmp" "$OUT/logs.tgz"
     tar czf "$OUT/record.tmp" "$RESULTS" && mv -f "$OUT/record.tmp" "$OUT/record.tgz"
     if [[ -d "$WORK/split-check" ]]; then
@@ -144,5 +148,13 @@ log "finished runs in the record: $(ls "$RESULTS"/runs 2>/dev/null | tr '\n' ' '
 log "unfinished: $(cd "$WORK/reproduce" && for d in */*/*/; do [[ -f $d/summary.json ]] || echo -n "$d "; done)"
 log "test_cuda: $(tail -1 "$WORK/logs/test_cuda.log" 2>/dev/null)"
 log "split check: $(tail -1 "$WORK/logs/split-check.log" 2>/dev/null)"
+if [[ -n "$K_SWEEP_MODELS" ]]; then
+    # shellcheck disable=SC2086
+    timeout 180 "$PY" train/k_sweep.py --report --budget "$REPRO_BUDGET" --models $K_SWEEP_MODELS \
+        --train-size "${REPRO_SIZES%% *}" --results "$RESULTS" --out "$WORK/reproduce" \
+        --sweep-out "$WORK/k-sweep" --device "$DEVICE" >"$WORK/logs/k-sweep.log" 2>&1 \
+        || log "k_sweep exit $?"
+    log "k sweep: $(grep -m1 '^Verdict' "$WORK/k-sweep/sweep.md" 2>/dev/null)"
+fi
 log "done"
 collect

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 import struct
 from pathlib import Path
 
@@ -380,3 +381,73 @@ def test_train_trial_stops_on_sigint_even_when_started_ignoring_it(tmp_path, idx
     finally:
         signal.signal(signal.SIGINT, previous)
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+# ---------------------------------------------------------------- the basis-size sweep
+
+
+def test_sweep_models_hold_the_paper_parameter_count():
+    from rstmodel import create_model
+
+    for name, k in zip(budgets.SWEEP_MODELS, (6, 9, 12, 17, 49), strict=True):
+        model = create_model(name)
+        params = sum(p.numel() for p in model.parameters())
+        assert model.config.num_funcs == k and 490_000 <= params <= 510_000, (name, params)
+        reduced = budgets.budget_config(name, 2000, budgets.BUDGETS["reduced"]).model_args
+        small = create_model(name, input_size=32, **reduced)
+        assert 10_000 <= sum(p.numel() for p in small.parameters()) <= 13_000, name
+
+
+def test_k_sweep_verdict_needs_trials_and_the_spread():
+    from rstcnn.train.k_sweep import spread_verdict
+
+    def row(model, k, mean, std, trials, ms):
+        return {"model": model, "K": k, "mean": mean, "std": std, "trials": trials, "eval_ms": ms}
+
+    default = row("rst_cnn_fb", 12, 78.0, 0.6, 3, 10.0)
+    close, worse = (
+        row("rst_cnn_fb_k6", 6, 77.5, 0.4, 3, 5.0),
+        row("rst_cnn_fb_k9", 9, 76.0, 0.3, 3, 7.0),
+    )
+    assert spread_verdict([close, worse, default]).startswith(
+        "rst_cnn_fb_k6 (K = 6) is as accurate"
+    )
+    assert "2.00x less" in spread_verdict([close, default])
+    assert spread_verdict([worse, default]).startswith("rst_cnn_fb stays")
+    assert spread_verdict([{**close, "trials": 2}, default]).startswith("no verdict yet")
+    assert spread_verdict([close]).startswith("no verdict")
+    slower = row("rst_cnn_fb_ref", 49, 78.2, 0.1, 3, 20.0)  # more accurate, but not cheaper
+    assert spread_verdict([slower, default]).startswith("rst_cnn_fb stays")
+
+
+def test_k_sweep_smoke_trains_times_and_plots(tmp_path, idx_source, monkeypatch):
+    from rstcnn.train import k_sweep
+
+    monkeypatch.setenv("RSTCNN_DATA", str(tmp_path / "cache"))
+    out, record, sweep = tmp_path / "out", tmp_path / "record", tmp_path / "sweep"
+    args = ["--budget", "smoke", "--models", "rst_cnn_fb_k6", "rst_cnn_fb", "--trials", "1"]
+    args += ["--data-root", str(idx_source), "--out", str(out), "--results", str(record)]
+    args += ["--sweep-out", str(sweep), "--threads", "1", "--time-batch", "4", "--repeats", "1"]
+    assert k_sweep.main(args) == 0
+    assert sorted(p.name for p in (record / "runs").iterdir()) == [
+        "rst_cnn_fb-64-t0",
+        "rst_cnn_fb_k6-64-t0",
+    ]
+    saved = json.loads((sweep / "sweep.json").read_text())
+    rows = {r["model"]: r for r in saved["rows"]}
+    assert rows["rst_cnn_fb_k6"]["K"] == 6 and rows["rst_cnn_fb"]["K"] == 12
+    assert all(
+        r["trials"] == 1 and r["eval_ms"] > 0 and 0 <= r["mean"] <= 100 for r in rows.values()
+    )
+    assert saved["verdict"].startswith("no verdict yet")
+    text = (sweep / "sweep.md").read_text()
+    assert "| rst_cnn_fb_k6 | 6 | 2.5 |" in text and "Verdict: no verdict yet" in text
+    assert (sweep / "accuracy-vs-time.png").stat().st_size > 1000
+    # --report trains nothing: the record alone gives the same accuracies
+    shutil.rmtree(out)
+    assert k_sweep.main([*args, "--report"]) == 0
+    again = {r["model"]: r for r in json.loads((sweep / "sweep.json").read_text())["rows"]}
+    assert {m: r["accuracies"] for m, r in again.items()} == {
+        m: r["accuracies"] for m, r in rows.items()
+    }
+    assert not (out / "rs-fashion" / "smoke" / "rst_cnn_fb-64-t0").exists()

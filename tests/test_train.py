@@ -227,6 +227,7 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
         "RSTCNN_ALLOCATOR": "system",
         "SPLIT_LIMIT": "8",  # the served file against its checkpoint on the last 8 test images
         "SPLIT_THREADS": "1",
+        "K_SWEEP_MODELS": "rst_cnn_fb",
     }
 
     def session(**more):
@@ -257,7 +258,10 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
             "| kernel | launches / step |" in tar.extractfile("fastpath/profile.md").read().decode()
         )
         log = tar.extractfile("logs/session.log").read().decode()
+        sweep = json.load(tar.extractfile("k-sweep/sweep.json"))
         assert "logs/fastpath.log" in tar.getnames()
+    assert [(r["model"], r["trials"]) for r in sweep["rows"]] == [("rst_cnn_fb", 1)]
+    assert "k sweep: Verdict: no verdict yet" in log
     runs = sorted(p.name for p in (record / "runs").iterdir())
     assert runs == [
         "cnn-64-t0",

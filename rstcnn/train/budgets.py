@@ -55,7 +55,17 @@ REDUCED_WIDTHS = {
     "sfcnn_plus": (3, 6, 9),
     "sevf": (7, 15, 22),
 }
-SMOKE_WIDTHS = dict.fromkeys(MODELS, (2, 3, 4))
+# the basis-size sweep (speed against accuracy), by K; not in reproduce.py's default run
+# (``train/k_sweep.py`` runs them through train/reproduce.py)
+SWEEP_MODELS = ("rst_cnn_fb_k6", "rst_cnn_fb_k9", "rst_cnn_fb", "rst_cnn_fb_k17", "rst_cnn_fb_ref")
+REDUCED_WIDTHS |= {
+    "rst_cnn_fb_k6": (14, 28, 42),
+    "rst_cnn_fb_k9": (11, 22, 33),
+    "rst_cnn_fb_k17": (8, 16, 24),
+    "rst_cnn_fb_ref": (5, 10, 15),
+}
+ALL_MODELS = MODELS + tuple(m for m in SWEEP_MODELS if m not in MODELS)  # tables' row order
+SMOKE_WIDTHS = dict.fromkeys(ALL_MODELS, (2, 3, 4))
 # training time per image relative to rst_cnn_fb at the reduced widths, from
 # `train/reproduce.py --measure` on the 2-core CPU (1 thread; RESULTS.md); only the ETA uses it
 RELATIVE_COST = {
@@ -71,6 +81,11 @@ RELATIVE_COST = {
     "sfcnn": 0.2,  # not measured: taken as rot_cnn's
     "sfcnn_plus": 0.2,
     "sevf": 0.12,  # not measured: taken as scale_cnn's
+    # the sweep: not measured, taken as rst_cnn_fb's scaled by Cin*K (the basis responses)
+    "rst_cnn_fb_k6": 0.7,
+    "rst_cnn_fb_k9": 0.85,
+    "rst_cnn_fb_k17": 1.4,
+    "rst_cnn_fb_ref": 1.2,
 }
 
 

@@ -56,6 +56,7 @@ if __package__ in (None, ""):
 
 from rstcnn.train import engine, report
 from rstcnn.train.budgets import (
+    ALL_MODELS,
     BUDGETS,
     MODELS,
     RELATIVE_COST,
@@ -99,7 +100,7 @@ def plan(
     first, then trial by trial, the models in ``MODELS`` order; so a call cut off by its
     deadline has filled the most-wanted cells, and the next call goes on from there."""
     sizes = sorted(train_sizes or budget.train_sizes, reverse=True)
-    ranked = sorted(models, key=lambda m: MODELS.index(m) if m in MODELS else len(MODELS))
+    ranked = sorted(models, key=ALL_MODELS.index)
     return [
         RunSpec(m, n, a, t)
         for a in sorted(augment)
@@ -304,7 +305,7 @@ def wide_table(rows: list[dict[str, Any]], data: str) -> str:
         name = f"N_tr {size}{' +aug' if aug else ''}"
         head += [name, "paper"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
-    for model in [m for m in MODELS if any(r["model"] == m for r in rows)]:
+    for model in [m for m in ALL_MODELS if any(r["model"] == m for r in rows)]:
         mine = [r for r in rows if r["model"] == model]
         cells = [model, f"{mine[0]['params']:,}"]
         for size, aug in settings:
@@ -318,7 +319,7 @@ def wide_table(rows: list[dict[str, Any]], data: str) -> str:
 
 def plot(rows: list[dict[str, Any]], data: str, budget_name: str, path: Path) -> None:
     pyplot = plt()
-    models = [m for m in MODELS if any(r["model"] == m for r in rows)]
+    models = [m for m in ALL_MODELS if any(r["model"] == m for r in rows)]
     settings = sorted({(r["train_size"], r["augment"]) for r in rows})
     fig, ax = pyplot.subplots(figsize=(max(6.0, 1.3 * len(models) + 2), 4.2))
     width = 0.8 / max(len(settings), 1)
@@ -384,7 +385,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--data", required=True, choices=("rs-mnist", "rs-fashion"))
     parser.add_argument("--budget", choices=tuple(BUDGETS), default="reduced")
-    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=list(MODELS),
+        choices=ALL_MODELS,
+        help="default: the paper's models (the basis-size sweep's are train/k_sweep.py's)",
+    )
     parser.add_argument(
         "--augment",
         choices=("both", "no", "yes"),

@@ -166,6 +166,29 @@ def rst_cnn_plus_sl(**overrides) -> RSTCNN:
     )(**overrides)
 
 
+# The speed-against-accuracy sweep over the basis size (``python -m train.k_sweep``): at ~500K
+# parameters K sets the channel widths (mixing ~ Cin Cout K) and so the cost. Widths keep
+# the ratio of rst_cnn_fb's (69, 135, 204).
+
+
+@register_model
+def rst_cnn_fb_k6(**overrides) -> RSTCNN:
+    """RST-CNN(FB) with the K=6 lowest FB modes (wider channels), ~500K params."""
+    return _rst(num_funcs=6, channels=(95, 186, 281))(**overrides)
+
+
+@register_model
+def rst_cnn_fb_k9(**overrides) -> RSTCNN:
+    """RST-CNN(FB) with the K=9 lowest FB modes, ~500K params."""
+    return _rst(num_funcs=9, channels=(79, 155, 234))(**overrides)
+
+
+@register_model
+def rst_cnn_fb_k17(**overrides) -> RSTCNN:
+    """RST-CNN(FB) at a 3 px smallest radius (kernels 5..17), all K=17 modes below Nyquist there, ~500K params."""
+    return _rst(num_funcs=17, base_radius=3.0, channels=(59, 115, 174))(**overrides)
+
+
 @register_model
 def rst_cnn_fb_ref(**overrides) -> RSTCNN:
     """RST-CNN(FB) with the public code's basis (15 modes x 4 dilations, K=49), ~500K params."""

@@ -1,0 +1,269 @@
+"""Speed against accuracy over the basis size K, at the paper's parameter count.
+
+    python train/k_sweep.py --budget full --device cuda --bf16 [--deadline S]   # a GPU job
+    python train/k_sweep.py --budget reduced                                      # 2 CPU cores
+    python train/k_sweep.py --budget full --report      # from the record only, no training
+
+At ~500K parameters K sets the channel widths (the mixing costs ~ Cin Cout K per output, the
+parameters ~ Cin Cout K too, so a smaller K buys wider channels) and so the cost. The sweep's
+models (``budgets.SWEEP_MODELS``): ``rst_cnn_fb_k6`` and ``rst_cnn_fb_k9`` (the K lowest FB
+modes at the 2.5 px smallest radius), ``rst_cnn_fb`` (K = 12: every mode below Nyquist there),
+``rst_cnn_fb_k17`` (a 3 px smallest radius, which holds 17 modes below Nyquist; kernels 5..17)
+and ``rst_cnn_fb_ref`` (the public code's K = 49 basis).
+
+1. Trains each on RS-Fashion at one N_tr (default 5000) without augmentation, ``--trials``
+   trials (default 3), as ``train/reproduce.py`` runs (same folders, resumable, the same
+   committed record, so ``rst_cnn_fb``'s protocol runs count for both).
+2. Times each model's evaluation on this machine at the budget's widths and image size:
+   ms per image at batch ``--time-batch`` (default the budget's batch) and at batch 1.
+3. Writes ``--sweep-out`` (default ``results/k-sweep/<data>-<budget>``): ``sweep.md``,
+   ``sweep.json`` and ``accuracy-vs-time.png``, and says which setting is the cheapest whose
+   accuracy lies within the trials' spread of ``rst_cnn_fb``'s (the default): its mean within
+   the larger of the two standard deviations, each from at least 3 trials.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from rstcnn.train import engine, reproduce
+from rstcnn.train.budgets import BUDGETS, SWEEP_MODELS, Budget, budget_config
+from rstcnn.train.experiments import plt
+from rstmodel import create_model
+
+DEFAULT = "rst_cnn_fb"
+MIN_TRIALS = 3  # trials each side needs before a cheaper setting may replace the default
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python train/k_sweep.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--data", default="rs-fashion", choices=("rs-fashion", "rs-mnist"))
+    parser.add_argument("--budget", choices=tuple(BUDGETS), default="reduced")
+    parser.add_argument("--models", nargs="+", default=list(SWEEP_MODELS), choices=SWEEP_MODELS)
+    parser.add_argument("--train-size", type=int, default=None, help="N_tr (default 5000)")
+    parser.add_argument("--trials", type=int, default=MIN_TRIALS)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--bf16", action="store_true", help="train in bfloat16 autocast")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--data-root", type=Path, default=None, help="RS source files")
+    parser.add_argument("--out", type=Path, default=Path("outputs/reproduce"))
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="committed record of finished runs (default results/reproduce/<data>-full for "
+        "the full budget, as train/reproduce.py)",
+    )
+    parser.add_argument("--sweep-out", type=Path, default=None)
+    parser.add_argument("--deadline", type=float, default=None, metavar="SECONDS")
+    parser.add_argument("--report", action="store_true", help="train nothing")
+    parser.add_argument("--time-batch", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls per batch size")
+    args = parser.parse_args(argv)
+    budget = BUDGETS[args.budget]
+    if args.train_size is None:
+        args.train_size = 5000 if 5000 in budget.train_sizes else max(budget.train_sizes)
+    if args.train_size not in budget.train_sizes:
+        parser.error(f"--train-size: the {args.budget} budget has N_tr {budget.train_sizes}")
+    if args.trials < 1 or args.repeats < 1:
+        parser.error("--trials and --repeats must be positive")
+    if args.deadline is not None and args.deadline <= 0:
+        parser.error("--deadline takes a positive number of seconds")
+    if args.results is None and args.budget == "full":
+        args.results = Path("results") / "reproduce" / f"{args.data}-full"
+    if args.sweep_out is None:
+        args.sweep_out = Path("results") / "k-sweep" / f"{args.data}-{args.budget}"
+    args.time_batch = args.time_batch or budget.batch_size
+    return args
+
+
+def build(model: str, budget: Budget, train_size: int) -> torch.nn.Module:
+    """The model exactly as the sweep trains it (the budget's widths and image size)."""
+    config = budget_config(model, train_size, budget)
+    return create_model(model, input_size=budget.image_size, **config.model_args)
+
+
+def eval_ms(model: torch.nn.Module, batch: int, size: int, repeats: int, device) -> float:
+    """Median ms per image of an eval-mode forward pass at ``batch`` (after one warm-up)."""
+    model = model.to(device).eval()
+    x = torch.randn(batch, 1, size, size, device=device)
+    times = []
+    with torch.no_grad():
+        for i in range(repeats + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            model(x)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i:
+                times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times) / batch
+
+
+def spread_verdict(rows: list[dict[str, Any]]) -> str:
+    """Which setting is cheapest at the default's accuracy (module docstring), in words."""
+    default = next((r for r in rows if r["model"] == DEFAULT), None)
+    if default is None or default["trials"] == 0:
+        return f"no verdict: {DEFAULT} has no finished trial"
+    if default["trials"] < MIN_TRIALS:
+        return f"no verdict yet: fewer than {MIN_TRIALS} trials of {DEFAULT}"
+    cheaper = sorted(
+        (r for r in rows if r["trials"] and r["eval_ms"] < default["eval_ms"]),
+        key=lambda r: r["eval_ms"],
+    )
+    for row in cheaper:
+        if row["trials"] < MIN_TRIALS:
+            return (
+                f"no verdict yet: fewer than {MIN_TRIALS} trials of {row['model']}, the "
+                f"cheapest candidate ({row['eval_ms']:.3g} against {default['eval_ms']:.3g} ms/img)"
+            )
+        spread = max(row["std"], default["std"])
+        if abs(row["mean"] - default["mean"]) <= spread:
+            return (
+                f"{row['model']} (K = {row['K']}) is as accurate as {DEFAULT} within the trials' "
+                f"spread ({row['mean']:.2f} against {default['mean']:.2f} %, spread {spread:.2f}) "
+                f"at {default['eval_ms'] / row['eval_ms']:.2f}x less eval time per image"
+            )
+    return f"{DEFAULT} stays: no cheaper setting is within the trials' spread of its accuracy"
+
+
+def sweep_rows(args: argparse.Namespace, budget: Budget) -> list[dict[str, Any]]:
+    root = args.out / args.data / args.budget
+    device = engine.pick_device(args.device)
+    rows = []
+    for model in args.models:
+        specs = reproduce.plan(budget, [model], [False], args.trials, [args.train_size])
+        done = [reproduce.finished(root, s, args.results) for s in specs]
+        accs = [100 * d["test_acc"] for d in done if d is not None]
+        net = build(model, budget, args.train_size)
+        spec = net.config.basis_spec()
+        rows.append(
+            {
+                "model": model,
+                "K": net.config.num_funcs,
+                "base_radius": float(spec.scales[0]),
+                "kernels": list(spec.kernel_sizes),
+                "channels": list(net.config.channels),
+                "params": sum(p.numel() for p in net.parameters()),
+                "trials": len(accs),
+                "accuracies": [round(a, 2) for a in accs],
+                "mean": statistics.fmean(accs) if accs else float("nan"),
+                "std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+                "eval_ms": eval_ms(net, args.time_batch, budget.image_size, args.repeats, device),
+                "eval_ms_b1": eval_ms(net, 1, budget.image_size, args.repeats, device),
+            }
+        )
+        print(f"{model}: {len(accs)} trials, eval {rows[-1]['eval_ms']:.3g} ms/img", flush=True)
+    return rows
+
+
+def machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU, {torch.get_num_threads()} threads"
+
+
+def write(rows: list[dict[str, Any]], args: argparse.Namespace, where: str) -> str:
+    out = args.sweep_out
+    out.mkdir(parents=True, exist_ok=True)
+    verdict = spread_verdict(rows)
+    lines = [
+        f"# Basis size K against accuracy and speed: {args.data}, {args.budget} budget, "
+        f"N_tr {args.train_size}, no augmentation",
+        "",
+        f"Eval time measured on {where} (torch {torch.__version__}), float32, eval mode, "
+        f"median of {args.repeats}; accuracy: test accuracy over the finished trials.",
+        "",
+        f"| model | K | smallest radius (px) | kernels | channels | params | trials | test accuracy (%) "
+        f"| eval ms/img (batch {args.time_batch}) | eval ms (batch 1) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        acc = "-" if not r["trials"] else f"{r['mean']:.2f} ± {r['std']:.2f}"
+        lines.append(
+            f"| {r['model']} | {r['K']} | {r['base_radius']:g} | {r['kernels']} | "
+            f"{tuple(r['channels'])} | {r['params']:,} | {r['trials']} | {acc} | "
+            f"{r['eval_ms']:.3g} | {r['eval_ms_b1']:.3g} |"
+        )
+    lines += ["", f"Verdict: {verdict}.", ""]
+    text = "\n".join(lines)
+    (out / "sweep.md").write_text(text, encoding="utf-8")
+    record = {"machine": where, "verdict": verdict, "args": vars(args), "rows": rows}
+    (out / "sweep.json").write_text(json.dumps(record, indent=2, default=str) + "\n", "utf-8")
+    pyplot = plt()
+    fig, ax = pyplot.subplots(figsize=(6.4, 4.2))
+    for r in (r for r in rows if r["trials"]):
+        ax.errorbar(r["eval_ms"], r["mean"], yerr=r["std"], fmt="o", capsize=4)
+        ax.annotate(
+            f"K={r['K']} ({r['trials']})",
+            (r["eval_ms"], r["mean"]),
+            xytext=(6, 4),
+            textcoords="offset points",
+        )
+    ax.set_xscale("log")
+    ax.set_xlabel(f"eval time per image, ms (batch {args.time_batch}, {where})")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(f"{args.data}, N_tr {args.train_size}: K against speed (trials in brackets)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "accuracy-vs-time.png", dpi=110)
+    pyplot.close(fig)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    engine.setup_cli(args.threads)
+    budget = BUDGETS[args.budget]
+    root = args.out / args.data / args.budget
+    root.mkdir(parents=True, exist_ok=True)
+    if not args.report:
+        opts = {
+            "data": args.data,
+            "root": root,
+            "device": args.device,
+            "data_root": args.data_root,
+            "threads": args.threads,
+            "bf16": args.bf16,
+            "method": None,
+            "results": args.results,
+        }
+        if args.deadline is not None:  # as Ctrl-C: the run in progress stops at a batch
+            signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+            signal.setitimer(signal.ITIMER_REAL, args.deadline)
+        # trial by trial (plan's order): a call cut off by its deadline has one more trial of
+        # every model before the next trial of any
+        specs = reproduce.plan(budget, args.models, [False], args.trials, [args.train_size])
+        try:
+            reproduce.run_all(specs, budget, opts, jobs=1)
+        except (engine.SetupError, engine.TrainingError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    device = engine.pick_device(args.device)
+    rows = sweep_rows(args, budget)
+    print(write(rows, args, machine(device)), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
