@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -59,3 +61,14 @@ def test_floor_bench_times_each_op_of_the_basis_form_in_both_precisions():
     cin, cout, side = LAYERS["layer 2"]
     mixing = next(g for layer, op, *_, g in rows if layer == "layer 2" and op == "mixing 1x1")
     assert mixing == R * len(KERNELS) * cin * 12 * cout * side * side / 1e9
+
+
+def test_floor_bench_fft_form_is_the_eager_fft_path():
+    from rstcnn.export.floor_bench import FFTForm, fft_layer
+
+    layer = fft_layer(3, 5)
+    form = FFTForm(layer, 8).eval()
+    x = torch.randn(2, 3, 8, 4, 8, 8)
+    with torch.no_grad():
+        expected = layer.forward_fft(x, bias=layer.bias)
+        assert torch.allclose(form(x), expected, atol=1e-4 * expected.abs().max().item())

@@ -9,7 +9,14 @@ For the shipped ``rst_cnn_fb`` at batch 1 (layer 2: 69 -> 135 channels at 28x28,
 for each op, the time for all of a layer's (rotation, scale) branches and the multiply-adds
 per second, in float32 and in int8 (QLinearConv: uint8 activations, int8 weights).
 
-    python -m export.floor_bench [--repeats 5]
+It also times a form the exporter does not use, measured to say why: the *FFT form* of a
+whole layer, the eager FFT path (``GroupRSTConv.forward_fft``: GEMM DFTs, the per-frequency
+products in three real GEMMs, quarter turns sharing a spectrum) written as plain MatMuls and
+exported to ONNX, at batch 1 and 8, beside the basis form's total for the same layer. Its
+filter spectra are a MatMul of two constants in the graph (folded by onnxruntime at load), so
+the file stays small.
+
+    python -m export.floor_bench [--repeats 5] [--no-fft]
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ from collections.abc import Sequence
 
 import numpy as np
 import onnx
+import torch
 from onnx import TensorProto, helper, numpy_helper
+from torch import nn
 
 R, K = 8, 12
 KERNELS = (5, 7, 11, 15)
@@ -109,9 +118,109 @@ def measure(repeats: int = 5) -> list[tuple[str, str, float, float, float]]:
     return rows
 
 
+class FFTForm(nn.Module):
+    """``layer.forward_fft`` (one tap, quarter turns shared) in plain, exportable torch ops.
+    x [B, Cin, R, S, H, W] -> [B, Cout, R, S, H, W]."""
+
+    def __init__(self, layer, h: int):
+        from rstmodel.layers.kernels import _dft_matrices, _quarter_turn_rows
+
+        super().__init__()
+        if layer.quarter_turns(h, h) != 4 or layer.taps != 1:
+            raise ValueError("FFTForm covers one-tap layers with R divisible by 4")
+        nh, nw = layer._grid(h, h)
+        self.h, self.nh, self.fw = h, nh, nw // 2 + 1
+        self.rot, self.nsc = layer.spec.rotations, layer.spec.num_scales
+        self.cin, self.cout = layer.in_channels, layer.out_channels
+        dft = _dft_matrices(h, h, nh, nw, torch.float32, torch.device("cpu"))
+        for name in ("cos_h", "msin_h", "cos_w", "sin_w"):
+            self.register_buffer(name, getattr(dft, name).clone())
+        for name in ("inv_cos_h", "inv_sin_h", "inv_cos_w", "inv_sin_w"):
+            self.register_buffer(name, getattr(dft, name).clone())
+        index, inverse = _quarter_turn_rows(h, self.rot, self.nsc, torch.device("cpu"))
+        self.register_buffer("index", index.clone())
+        self.register_buffer("inverse", inverse.clone())
+        k = layer.spec.num_funcs
+        self.register_buffer("basis", layer._basis_spectrum(nh, nw, self.rot // 4).float().clone())
+        weight = layer.weight.detach().float().permute(3, 1, 2, 0).reshape(k, -1)
+        self.register_buffer("weight", weight.clone())  # [K, Cin*Cout]
+        self.register_buffer("bias", layer.bias.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, nh, fw = x.shape[0], self.h, self.nh, self.fw
+        g = torch.matmul(self.basis, self.weight).view(3, -1, self.cin, self.cout)
+        xs = x.permute(4, 5, 2, 3, 0, 1).reshape(-1, b * self.cin)[self.index]
+        xm = xs.reshape(h, -1)
+        a_re = (self.cos_h @ xm).reshape(nh, h, -1)
+        a_im = (self.msin_h @ xm).reshape(nh, h, -1)
+        x_re = (self.cos_w @ a_re + self.sin_w @ a_im).reshape(-1, 4 * b, self.cin)
+        x_im = (self.cos_w @ a_im - self.sin_w @ a_re).reshape(-1, 4 * b, self.cin)
+        m = torch.matmul(x_re + x_im, g[0])
+        y_re = (m - torch.matmul(x_im, g[2])).reshape(nh, -1)
+        y_im = (m + torch.matmul(x_re, g[1])).reshape(nh, -1)
+        z_re = (self.inv_cos_h @ y_re - self.inv_sin_h @ y_im).reshape(h, fw, -1)
+        z_im = (self.inv_sin_h @ y_re + self.inv_cos_h @ y_im).reshape(h, fw, -1)
+        y = (self.inv_cos_w @ z_re + self.inv_sin_w @ z_im).reshape(-1, b * self.cout)
+        y = y[self.inverse].reshape(h, h, self.rot, self.nsc, b, self.cout) + self.bias
+        return y.permute(4, 5, 2, 3, 0, 1)
+
+
+def fft_layer(cin: int, cout: int, seed: int = 0):
+    """A GroupRSTConv of the shipped model's basis and the given widths, random weights."""
+    from rstmodel import create_model
+    from rstmodel.layers import GroupRSTConv
+
+    torch.manual_seed(seed)
+    spec = create_model("rst_cnn_fb", channels=(2, 2, 2)).config.basis_spec()
+    layer = GroupRSTConv(cin, cout, spec).eval()
+    with torch.no_grad():
+        layer.bias.normal_()
+    return layer
+
+
+def measure_fft(repeats: int = 5, batches: Sequence[int] = (1, 8)) -> list[tuple]:
+    """Rows (layer, batch, ms per image, max |difference| from ``forward_fft``) of the FFT
+    form of each layer in ``LAYERS`` through onnxruntime."""
+    rows = []
+    for name, (cin, cout, side) in LAYERS.items():
+        layer = fft_layer(cin, cout)
+        form = FFTForm(layer, side).eval()
+        example = torch.randn(2, cin, R, len(KERNELS), side, side)
+        program = torch.onnx.export(
+            form,
+            (example,),
+            dynamo=True,
+            input_names=["x"],
+            output_names=["y"],
+            dynamic_shapes=({0: torch.export.Dim("batch")},),
+            external_data=False,
+            verbose=False,
+        )
+        model = program.model_proto.SerializeToString()
+        for batch in batches:
+            x = torch.randn(batch, cin, R, len(KERNELS), side, side)
+            with torch.no_grad():
+                expected = layer.forward_fft(x, bias=layer.bias).numpy()
+            got = _run(model, x.numpy())
+            seconds = _seconds(model, x.numpy(), repeats)
+            diff = float(np.abs(got - expected).max())
+            rows.append((name, batch, 1e3 * seconds / batch, diff))
+    return rows
+
+
+def _run(model: bytes, x: np.ndarray) -> np.ndarray:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    return session.run(None, {"x": x})[0]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m export.floor_bench", description=__doc__)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-fft", action="store_true", help="skip the FFT form")
     args = parser.parse_args(argv)
     rows = measure(args.repeats)
     print(
@@ -127,6 +236,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         total = sum(r[col] for r in rows if r[1].startswith(kind))
         total8 = sum(r[3] for r in rows if r[1].startswith(kind))
         print(f"{kind}: float32 {total:.1f} ms, int8 {total8:.1f} ms in all")
+    if args.no_fft:
+        return 0
+    print()
+    print(
+        "| layer | basis form, float32 (ms) | basis form, int8 mixing (ms) | FFT form, batch | ms per image | max diff from eager |"
+    )
+    print("|---|---|---|---|---|---|")
+    for layer, batch, ms, diff in measure_fft(args.repeats):
+        banks = sum(r[2] for r in rows if r[0] == layer and r[1].startswith("bank"))
+        mixing = next(r for r in rows if r[0] == layer and r[1] == "mixing 1x1")
+        print(
+            f"| {layer} | {banks + mixing[2]:.1f} | {banks + mixing[3]:.1f} | {batch} | "
+            f"{ms:.1f} | {diff:.1e} |"
+        )
     return 0
 
 
