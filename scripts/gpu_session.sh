@@ -8,22 +8,24 @@
 # 1. data: RS-Fashion realisations 0..2 (the protocol's trials 0..2), one process each;
 # 2. train/fastpath.py, alone on the GPU: the training step and evaluation of rst_cnn_fb and
 #    the CNN in FASTPATH_SETTINGS, a torch.profiler profile of the fastest training step
-#    (profile.md: device busy fraction, launches, the kernels that take the time) and
+#    (profile.md: device busy fraction, launches, the kernels that take the time), each RST
+#    conv alone at its widths and at widths rounded up to 8 (align.md: does aligning pay?) and
 #    torch.compile of that step (for the record: the runs below train with REPRO_FLAGS);
 # 3. the paper's protocol (train/reproduce.py --budget REPRO_BUDGET, N_tr REPRO_SIZES) as
 #    SHARDS side by side, each shard one process with its own --deadline (a run cut off keeps
-#    last.pt and resumes next time from its resume-<run>.tgz), plus tests/test_cuda.py. Finished runs
-#    land in the committed record RESULTS (results/reproduce/rs-fashion-full).
+#    last.pt and resumes next time from its resume-<run>.tgz), plus tests/test_cuda.py.
+#    Finished runs land in the committed record RESULTS (results/reproduce/rs-fashion-full).
 #    Beside them, on the machine's CPU cores: export/split_check.py, the file the app serves
 #    (SPLIT_SERVED) against its float32 checkpoint (SPLIT_CHECKPOINT, eager on the GPU) on the
 #    whole test split, resumable (split-check.tgz comes back; carry it in RESUME/split-check).
 # 4. train/k_sweep.py --report: the basis-size sweep's table and plot (accuracy against eval
 #    time on this card) from the record; its runs are shards like any other, e.g.
 #    SHARDS="rst_cnn_fb_k6,rst_cnn_fb_k9@3 rst_cnn_fb_k17,rst_cnn_fb_ref@3".
-# Comes back in $OUT: logs.tgz (logs/; fastpath/: fastpath.md, fastpath.json,
-# profile.md; k-sweep/: sweep.md, sweep.json, accuracy-vs-time.png), record.tgz (RESULTS: each finished run's summary and metrics, kept as each run
-# finishes), resume-<run>.tgz (each unfinished run's folder: unpack all into .gpu_resume/ and
-# carry it into the next call, RESUME).
+# Comes back in $OUT: logs.tgz (logs/; fastpath/: fastpath.md, fastpath.json, profile.md,
+# align.md; k-sweep/: sweep.md, sweep.json, accuracy-vs-time.png), record.tgz (RESULTS: each
+# finished run's summary and metrics, kept as each run finishes), split-check.tgz, and
+# resume-<run>.tgz (each unfinished run's folder: unpack all into .gpu_resume/ and carry it
+# into the next call, RESUME).
 #
 # The machine has no apt and no internet: carry the Fashion-MNIST IDX files in .gpu_data/
 # (mkdir -p .gpu_data && cp /usr/share/datasets/fashion-mnist/*.gz .gpu_data/).
@@ -37,7 +39,7 @@ RESULTS="${RESULTS:-results/reproduce/rs-fashion-$REPRO_BUDGET}"
 # one process per shard: models (comma-separated) @ trials; cells finished in RESULTS are skipped
 SHARDS="${SHARDS:-rst_cnn_fb@2 scale_cnn@3 rot_cnn@3 sesn@3 rst_cnn_sl@1}"
 FASTPATH_SETTINGS="${FASTPATH_SETTINGS:-fp32;bf16}"  # train/fastpath.py's names, ';'-separated
-FASTPATH_ARGS="${FASTPATH_ARGS---profile --compile}"
+FASTPATH_ARGS="${FASTPATH_ARGS---profile --compile --align-probe}"
 FASTPATH_TIMEOUT="${FASTPATH_TIMEOUT:-180}"
 K_SWEEP_MODELS="${K_SWEEP_MODELS-rst_cnn_fb_k6 rst_cnn_fb_k9 rst_cnn_fb rst_cnn_fb_k17 rst_cnn_fb_ref}"
 SPLIT_CHECKPOINT="${SPLIT_CHECKPOINT-models/rst_cnn_fb.pt}"  # empty: no split check

@@ -219,7 +219,7 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
         "RESUME": str(tmp_path / "nothing-to-resume"),
         "REPRO_FLAGS": "",  # float32 on the CPU (the GPU default is --bf16)
         "SHARDS": "rst_cnn_fb@1 cnn,scale_cnn@2",
-        "FASTPATH_ARGS": "--steps 1 --batch 8 --profile --model-arg channels=(4,6,8)",
+        "FASTPATH_ARGS": "--steps 1 --batch 8 --profile --align-probe --model-arg channels=(4,6,8)",
         "DATA_ROOT": str(source["root"]),
         "WORK": str(work),
         "OUT": str(out),
@@ -260,6 +260,7 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
         log = tar.extractfile("logs/session.log").read().decode()
         sweep = json.load(tar.extractfile("k-sweep/sweep.json"))
         assert "logs/fastpath.log" in tar.getnames()
+        assert "| blocks.1.0 | (4, 6) |" in tar.extractfile("fastpath/align.md").read().decode()
     assert [(r["model"], r["trials"]) for r in sweep["rows"]] == [("rst_cnn_fb", 1)]
     assert "k sweep: Verdict: no verdict yet" in log
     runs = sorted(p.name for p in (record / "runs").iterdir())
@@ -766,3 +767,19 @@ def test_the_peers_train_through_the_command_line(model, tmp_path, source, env):
     assert summary["model"] == model and 0 <= summary["test_acc"] <= 1
     loaded, meta = load_checkpoint(out / "best.pt")
     assert meta.model_name == model and loaded.config.channels == (2, 3, 4)
+
+
+def test_fastpath_align_probe_times_each_rst_conv_at_both_widths(tmp_path, capsys):
+    out = tmp_path / "fastpath"
+    argv = ["--device", "cpu", "--model-arg", "channels=(4,6,9)", "--steps", "1", "--batch", "2"]
+    assert fastpath.main([*argv, "--settings", "fp32", "--align-probe", "--out", str(out)]) == 0
+    text = (out / "align.md").read_text()
+    assert text == capsys.readouterr().out.split("FLAGS:")[1].split("\n", 1)[1]
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| blocks")]
+    # the lifting conv keeps its one image channel; the group convs round both widths up
+    assert [(r[1], r[3]) for r in rows] == [
+        ("(1, 4)", "(1, 8)"),
+        ("(4, 6)", "(8, 8)"),
+        ("(6, 9)", "(8, 16)"),
+    ]
+    assert all(float(r[2]) > 0 and float(r[4]) > 0 for r in rows)

@@ -11,7 +11,12 @@ per-scale direct form on cuDNN / oneDNN, TUNED: each layer times its forms on th
 call). ``--settings`` picks some of them (default: all). ``--profile`` then profiles the
 fastest training setting's step (torch.profiler: the GPU's busy fraction, kernel launches per
 step, the kernels and operators that take the time) into ``profile.md``. ``--compile`` also
-times ``torch.compile`` of that training step and of the fastest eval setting. Prints a
+times ``torch.compile`` of that training step and of the fastest eval setting.
+``--align-probe`` times each RST convolution of the model alone (forward and backward at the
+training batch, in the fastest training setting's precision and method) at its channel
+widths and at the widths rounded up to multiples of 8, into ``align.md``: whether padding
+the channels inside the layers (so that matrix products can use 16-byte-aligned tensor-core
+kernels) would pay for its extra multiply-adds. Prints a
 markdown table with the ratio of each figure to the CNN in the same setting, writes it and a
 JSON copy to ``--out``, and prints the fastest training setting as train/run.py flags on its
 last line (``FLAGS: ...``), which scripts/gpu_session.sh passes on.
@@ -261,6 +266,80 @@ def profile_training(args: argparse.Namespace, row: dict, steps: int = 3) -> str
     return "\n".join(lines) + "\n"
 
 
+def _round_up(n: int, multiple: int = 8) -> int:
+    return -(-n // multiple) * multiple
+
+
+def align_probe(args: argparse.Namespace, row: dict) -> str:
+    """Markdown: each RST convolution of ``args.model`` alone, at its widths and at the
+    widths rounded up to multiples of 8 (module docstring)."""
+    from rstmodel.layers import GroupRSTConv, LiftingRSTConv
+
+    setting, device = setting_of(row), torch.device(args.device)
+    model = build(args.model, setting, args.model_args, device).eval()
+    cfg = model.config
+    shapes: dict[str, tuple] = {}
+
+    def remember(name: str):
+        def hook(module, inputs) -> None:  # returns None: the inputs stay as they are
+            shapes.setdefault(name, tuple(inputs[0].shape))
+
+        return hook
+
+    hooks = [
+        m.register_forward_pre_hook(remember(n))
+        for n, m in model.named_modules()
+        if isinstance(m, (LiftingRSTConv, GroupRSTConv))
+    ]
+    with torch.no_grad():
+        model(torch.zeros(2, cfg.in_channels, cfg.input_size, cfg.input_size, device=device))
+    for hook in hooks:
+        hook.remove()
+    autocast = torch.autocast(
+        device.type, dtype=torch.bfloat16, enabled=setting.precision == "bf16"
+    )
+    lines = [
+        f"# Channel alignment probe: {args.model}, {setting.name}, batch {args.batch}",
+        "",
+        "| layer | widths | ms (forward + backward) | widths rounded up to 8 | ms | time ratio | "
+        "time per multiply-add ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, shape in shapes.items():
+        layer = model.get_submodule(name)
+        widths = (layer.in_channels, layer.out_channels)
+        padded = tuple(_round_up(c) for c in widths)
+        if isinstance(layer, LiftingRSTConv):
+            padded = (widths[0], padded[1])  # the image's channels stay
+        times = []
+        for cin, cout in (widths, padded):
+            torch.manual_seed(0)
+            kwargs = (
+                {}
+                if isinstance(layer, LiftingRSTConv)
+                else {
+                    "rotation_taps": layer.rotation_taps,
+                    "scale_taps": layer.scale_taps,
+                    "tap_mode": layer.tap_mode,
+                }
+            )
+            probe = type(layer)(cin, cout, layer.spec, method=layer.method, **kwargs).to(device)
+            x = torch.randn(args.batch, cin, *shape[2:], device=device, requires_grad=True)
+
+            def step(probe=probe, x=x) -> None:
+                with autocast:
+                    y = probe(x)
+                y.float().sum().backward()
+
+            times.append(_timed(step, device, 1, args.steps))
+        work = (padded[0] * padded[1]) / (widths[0] * widths[1])
+        lines.append(
+            f"| {name} | {widths} | {1e3 * times[0]:.2f} | {padded} | {1e3 * times[1]:.2f} | "
+            f"{times[1] / times[0]:.2f} | {times[1] / times[0] / work:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def table(rows: list[dict], model: str) -> str:
     cnn = {r["setting"]: r for r in rows if r["model"] == "cnn"}
     head = "| model | setting | train step (s) | train img/s | peak GiB | eval b (s) | eval b1 (ms) | train / cnn | eval / cnn | eval b1 / cnn |"
@@ -326,6 +405,11 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", action="store_true", help="profile the fastest training setting's step"
     )
     parser.add_argument("--compile", action="store_true", help="also time torch.compile")
+    parser.add_argument(
+        "--align-probe",
+        action="store_true",
+        help="time each RST conv at its widths and at widths rounded up to multiples of 8",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     args.model_args = dict(args.model_args)
@@ -358,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
         print(text, end="", flush=True)
         if args.out is not None:
             (args.out / "profile.md").write_text(text, encoding="utf-8")
+    if args.align_probe:
+        text = align_probe(args, best)
+        print(text, end="", flush=True)
+        if args.out is not None:
+            (args.out / "align.md").write_text(text, encoding="utf-8")
     if args.compile:
         write(rows + run_compiled(args, rows))
     return 0
