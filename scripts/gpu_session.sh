@@ -17,7 +17,9 @@
 #    Finished runs land in the committed record RESULTS (results/reproduce/rs-fashion-full).
 #    Beside them, on the machine's CPU cores: export/split_check.py, the file the app serves
 #    (SPLIT_SERVED) against its float32 checkpoint (SPLIT_CHECKPOINT, eager on the GPU) on the
-#    whole test split, resumable (split-check.tgz comes back; carry it in RESUME/split-check).
+#    whole test split, resumable: it goes on from results/shipped/split-check-NAME.state.npz
+#    (commit the state that comes back in split-check.tgz there, or carry it in
+#    RESUME/split-check).
 # 4. train/k_sweep.py --report: the basis-size sweep's table and plot (accuracy against eval
 #    time on this card) from the record; its runs are shards like any other, e.g.
 #    SHARDS="rst_cnn_fb_k6,rst_cnn_fb_k9@3 rst_cnn_fb_k17,rst_cnn_fb_ref@3".
@@ -122,12 +124,16 @@ for shard in $SHARDS; do
     pids+=($!)
 done
 if [[ -n "$SPLIT_CHECKPOINT" ]]; then
+    # goes on from the committed state (results/shipped), or a newer one carried in RESUME
     mkdir -p "$WORK/split-check"
-    [[ -d "$RESUME/split-check" ]] && cp -r "$RESUME/split-check"/. "$WORK/split-check/"
+    split_name="split-check-$(basename "$SPLIT_SERVED" .onnx)"
+    for state in "results/shipped/$split_name.state.npz" "$RESUME/split-check/$split_name.state.npz"; do
+        [[ -f "$state" ]] && cp "$state" "$WORK/split-check/"
+    done
     timeout $((DEADLINE - SECONDS > 30 ? DEADLINE - SECONDS : 30)) "$PY" -m rstcnn.export.split_check \
-        "$SPLIT_CHECKPOINT" "$SPLIT_SERVED" --device "$DEVICE" --threads "$SPLIT_THREADS" ${SPLIT_LIMIT:+--limit "$SPLIT_LIMIT"} \
-        --out "$WORK/split-check/$(basename "$SPLIT_SERVED" .onnx).json" --no-progress \
-        >"$WORK/logs/split-check.log" 2>&1 &
+        "$SPLIT_CHECKPOINT" "$SPLIT_SERVED" --device "$DEVICE" --threads "$SPLIT_THREADS" \
+        ${SPLIT_LIMIT:+--limit "$SPLIT_LIMIT"} --out "$WORK/split-check/$split_name.json" \
+        --no-progress >"$WORK/logs/split-check.log" 2>&1 &
 fi
 if [[ "$DEVICE" == cuda ]]; then
     timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py >"$WORK/logs/test_cuda.log" 2>&1 &

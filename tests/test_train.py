@@ -248,7 +248,7 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
     assert "past the deadline" not in stdout  # every shard finished in time
     assert sorted(p.name for p in out.iterdir()) == ["logs.tgz", "record.tgz", "split-check.tgz"]
     with tarfile.open(out / "split-check.tgz") as tar:
-        check = json.load(tar.extractfile("split-check/rst_cnn_fb.int8.json"))
+        check = json.load(tar.extractfile("split-check/split-check-rst_cnn_fb.int8.json"))
     assert check["images"] == check["of"] == 8 and check["precision"] == "int8"
     assert "split check: 8 of 8 images" in stdout
     with tarfile.open(out / "logs.tgz") as tar:
