@@ -97,6 +97,7 @@ def check_split(
     *,
     limit: int | None = None,
     chunk: int = 512,
+    eager_batch: int = 32,
     device: str = "cpu",
     threads: int | None = None,
     progress: bool = True,
@@ -133,9 +134,14 @@ def check_split(
             continue
         batch = images[start : start + chunk].astype(np.float32) / 255
         served_logits = served.run_logits(served.normalize(batch))
-        x = torch.from_numpy((batch - mean) / std).to(device)
-        with torch.no_grad():
-            eager_logits = model(x).float().cpu().numpy()
+        x = torch.from_numpy((batch - mean) / std)
+        with torch.no_grad():  # in slices: the RST-CNN's eval peak grows with the batch
+            eager_logits = np.concatenate(
+                [
+                    model(x[i : i + eager_batch].to(device)).float().cpu().numpy()
+                    for i in range(0, len(x), eager_batch)
+                ]
+            )
         state.record(start, served_logits, eager_logits)
         bar.update(len(batch))
     bar.close()
@@ -159,13 +165,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, help="only the last N test images")
     parser.add_argument("--chunk", type=int, default=512, help="images per saved step")
     parser.add_argument("--device", default="cpu", help="the eager model's device")
+    parser.add_argument(
+        "--eager-batch",
+        type=int,
+        default=32,
+        help="images per eager call (the full-width RST-CNN needs ~0.12 GiB per image)",
+    )
     parser.add_argument("--threads", type=int, help="onnxruntime intra-op threads")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         parser.error("--limit needs a positive number of images")
-    if args.chunk < 1:
-        parser.error("--chunk needs a positive number of images")
+    if args.chunk < 1 or args.eager_batch < 1:
+        parser.error("--chunk and --eager-batch need a positive number of images")
     out = args.out or args.served.with_suffix(".split-check.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -175,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             out.with_suffix(".state.npz"),
             limit=args.limit,
             chunk=args.chunk,
+            eager_batch=args.eager_batch,
             device=args.device,
             threads=args.threads,
             progress=not args.no_progress,
