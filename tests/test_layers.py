@@ -523,6 +523,26 @@ def test_cache_follows_a_dtype_cast(kind):
     torch.testing.assert_close(out, fresh_output(make, layer, x.to(F64)), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("kind", LAYERS)
+def test_cache_keeps_autocast_and_float32_entries_apart(kind):
+    """A bfloat16-autocast call fills the cache with bfloat16 filters or spectra; a float32
+    call after it must not read them (it raised a dtype error), nor the reverse."""
+    make = LAYERS[kind]
+    layer = make().eval()
+    x = layer_input(layer)
+    exact = infer(layer, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half = infer(layer, x)
+    again = infer(layer, x)
+    assert again.dtype == torch.float32 and torch.equal(again, exact)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(infer(layer, x), half)
+    fresh = make().eval()
+    fresh.load_state_dict(layer.state_dict())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(infer(fresh, x), half)  # the same as without a float32 entry
+
+
 # ---------------------------------------------------------------- expanded weights
 
 

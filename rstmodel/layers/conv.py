@@ -67,9 +67,14 @@ class _BasisConv(nn.Module):
     def _cached(self, name: str, build):
         """``build()`` in training; in eval, reuse until the parameters change. The key
         holds the version counter (optimiser steps, in-place ops) and a copy of the
-        coefficients, compared on use, for edits through ``.data`` that bypass it."""
+        coefficients, compared on use, for edits through ``.data`` that bypass it. Entries
+        are kept per autocast state: under autocast ``build()`` gives lower-precision
+        tensors, which a later float32 call must not reuse."""
         if self.training or torch.is_grad_enabled() and self.weight.requires_grad:
             return build()
+        kind = self.weight.device.type
+        if torch.is_autocast_enabled(kind):
+            name = f"{name}@{torch.get_autocast_dtype(kind)}"
         key = (self.weight._version, self.weight.data_ptr(), self.weight.dtype, self.weight.device)
         hit = self._cache.get(name)
         if hit is None or hit[0] != key or not torch.equal(hit[1], self.weight):
