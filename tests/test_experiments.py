@@ -342,6 +342,14 @@ def test_reproduce_keeps_each_run_as_it_finishes_and_reports(tmp_path, idx_sourc
     assert reproduce.main([*argv, "--trials", "2", "--out", str(out)]) == 1
     assert (kept / "runs" / "cnn-64-t0" / "summary.json").is_file()
     assert not (kept / "runs" / "cnn-64-t1").exists()
+    # a later shard of another model: the record's tables keep the first shard's cell
+    monkeypatch.setattr(reproduce, "run_one", real_run_one)
+    other = [*argv[:5], "scale_cnn", *argv[6:]]
+    assert reproduce.main([*other, "--trials", "1", "--out", str(out)]) == 0
+    table = (kept / "table.md").read_text()
+    assert "| cnn | rs-fashion | 64 | no | ID | 1 |" in table
+    assert "| scale_cnn | rs-fashion | 64 | no | ID | 1 |" in table
+    assert {r["model"] for r in read_csv(kept / "results.csv")} == {"cnn", "scale_cnn"}
     monkeypatch.setattr(reproduce, "run_one", lambda *a: pytest.fail("--report trained"))
     (kept / "table.md").unlink()
     assert reproduce.main([*argv, "--trials", "2", "--report", "--out", str(tmp_path / "o2")]) == 0

@@ -379,6 +379,17 @@ def protocol_text(args: argparse.Namespace, budget: Budget, argv: list[str] | No
     return "\n".join(lines) + "\n"
 
 
+def record_summaries(budget: Budget, args: argparse.Namespace, root: Path) -> list[dict]:
+    """Every finished run of the record (and of ``root``) in the space ``--report`` covers:
+    the paper's models and this call's, both augmentation settings, the budget's N_tr, the
+    budget's trials or this call's if more; in plan order."""
+    models = list(dict.fromkeys([*MODELS, *args.models]))
+    trials = max(args.trials, budget.trials)
+    specs = plan(budget, models, [False, True], trials)
+    done = (finished(root, spec, args.results) for spec in specs)
+    return [summary for summary in done if summary is not None]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -505,6 +516,10 @@ def main(argv: list[str] | None = None) -> int:
     if not summaries:
         print("error: no run finished", file=sys.stderr)
         return 1
+    complete = len(summaries) == len(specs)
+    if args.results and not args.report:
+        # a shard trains some cells; the record's tables keep every cell finished so far
+        summaries = record_summaries(budget, args, root)
     table = report.report(summaries)
     rows = results_rows(summaries)
     for folder in [root] + ([args.results] if args.results else []):
@@ -521,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
             protocol_text(args, budget, argv), encoding="utf-8"
         )
     print(table, end="")
-    return 0 if args.report or len(summaries) == len(specs) else 1
+    return 0 if args.report or complete else 1
 
 
 if __name__ == "__main__":
