@@ -732,12 +732,16 @@ def test_tuned_conv_times_each_path_once_per_input_shape(monkeypatch):
         assert conv(x).equal(y) and len(timed) == 3  # remembered for this shape
         conv(x[:1])
     assert len(timed) == 6 and set(conv._tuned.values()) == {ConvMethod.BASIS}
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        conv(x)  # under autocast: timed again, kept apart from the plain calls
+        conv(x)
+    assert len(timed) == 9 and len(conv._tuned) == 3
     expected = conv.forward_direct(x) + conv.bias.view(1, -1, 1, 1, 1, 1)
     assert rel(y, expected) < 1e-10  # the basis path's result
     # training never times: it takes AUTO's choice
     conv.train()
     conv(x)
-    assert len(timed) == 6
+    assert len(timed) == 9
 
     fake[ConvMethod.FFT] = 0.5
     lift = LiftingRSTConv(1, 3, SPEC, method=ConvMethod.TUNED).eval()

@@ -84,8 +84,11 @@ class _BasisConv(nn.Module):
 
     def _fastest(self, x: Tensor, paths: dict[ConvMethod, Callable[[Tensor], Tensor]]):
         """TUNED in eval mode: the path that ran ``x`` fastest (each timed once after a
-        warm-up call that fills its caches), remembered per input shape, dtype and device."""
-        key = (tuple(x.shape), x.dtype, x.device)
+        warm-up call that fills its caches), remembered per input shape, dtype, device and
+        autocast state (bfloat16 autocast can make another path the fastest)."""
+        kind = x.device.type
+        autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+        key = (tuple(x.shape), x.dtype, x.device, autocast)
         choice = self._tuned.get(key)
         if choice is None:
             with torch.no_grad():
