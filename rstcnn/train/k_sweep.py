@@ -12,8 +12,9 @@ modes at the 2.5 px smallest radius), ``rst_cnn_fb`` (K = 12: every mode below N
 and ``rst_cnn_fb_ref`` (the public code's K = 49 basis).
 
 1. Trains each on RS-Fashion at one N_tr (default 5000) without augmentation, ``--trials``
-   trials (default 3), as ``train/reproduce.py`` runs (same folders, resumable, the same
-   committed record, so ``rst_cnn_fb``'s protocol runs count for both).
+   trials (default 3), as ``train/reproduce.py`` runs (same folders, resumable). Each finished
+   run goes into a committed record at once: at the full budget the protocol's own, so
+   ``rst_cnn_fb``'s protocol runs count for both; at the others ``--sweep-out/runs``.
 2. Times each model's evaluation on this machine at the budget's widths and image size:
    ms per image at batch ``--time-batch`` (default the budget's batch) and at batch 1.
 3. Writes ``--sweep-out`` (default ``results/k-sweep/<data>-<budget>``): ``sweep.md``,
@@ -68,8 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--results",
         type=Path,
         default=None,
-        help="committed record of finished runs (default results/reproduce/<data>-full for "
-        "the full budget, as train/reproduce.py)",
+        help="committed record of finished runs (default: the protocol's, "
+        "results/reproduce/<data>-full, for the full budget; else --sweep-out)",
     )
     parser.add_argument("--sweep-out", type=Path, default=None)
     parser.add_argument("--deadline", type=float, default=None, metavar="SECONDS")
@@ -86,10 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--trials and --repeats must be positive")
     if args.deadline is not None and args.deadline <= 0:
         parser.error("--deadline takes a positive number of seconds")
-    if args.results is None and args.budget == "full":
-        args.results = Path("results") / "reproduce" / f"{args.data}-full"
     if args.sweep_out is None:
         args.sweep_out = Path("results") / "k-sweep" / f"{args.data}-{args.budget}"
+    if args.results is None:  # the full budget shares the protocol's record
+        full = Path("results") / "reproduce" / f"{args.data}-full"
+        args.results = full if args.budget == "full" else args.sweep_out
     args.time_batch = args.time_batch or budget.batch_size
     return args
 
