@@ -451,7 +451,11 @@ def test_k_sweep_smoke_trains_times_and_plots(tmp_path, idx_source, monkeypatch)
     text = (sweep / "sweep.md").read_text()
     assert "| rst_cnn_fb_k6 | 6 | 2.5 |" in text and "Verdict: no verdict yet" in text
     assert (sweep / "accuracy-vs-time.png").stat().st_size > 1000
-    # --report trains nothing: the record alone gives the same accuracies
+    # --report trains nothing, and keeps what an earlier call left in --out in the record
+    shutil.rmtree(record / "runs" / "rst_cnn_fb_k6-64-t0")
+    assert k_sweep.main([*args, "--report"]) == 0
+    assert (record / "runs" / "rst_cnn_fb_k6-64-t0" / "summary.json").is_file()
+    # the record alone gives the same accuracies
     shutil.rmtree(out)
     assert k_sweep.main([*args, "--report"]) == 0
     again = {r["model"]: r for r in json.loads((sweep / "sweep.json").read_text())["rows"]}

@@ -261,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
+    for spec in reproduce.plan(budget, args.models, [False], args.trials, [args.train_size]):
+        reproduce.keep(root, args.results, spec.name)  # runs an earlier call left in --out
     device = engine.pick_device(args.device)
     rows = sweep_rows(args, budget)
     print(write(rows, args, machine(device)), end="")
