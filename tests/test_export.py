@@ -711,3 +711,27 @@ def test_data_sample_whole_split_is_what_follows_training_and_validation(
     assert len(labels) == len(images) > 0 and len(fewer) == len(images) - 5
     assert np.array_equal(images, data_sample(meta, len(images)))  # the end of the permutation
     assert len(data_sample(with_run(train_size=20, val_size=10), None, split="train")) == 20
+
+
+def test_split_check_cut_off_leaves_the_summary_of_its_chunks(rst_export, tmp_path, monkeypatch):
+    from rstcnn.export import split_check
+    from rstcnn.serve.classifier import Classifier
+
+    for key, value in data_cache(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    calls = []
+    original = Classifier.run_logits
+
+    def stop_second(self, batch):
+        calls.append(len(batch))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return original(self, batch)
+
+    monkeypatch.setattr(Classifier, "run_logits", stop_second)
+    out = tmp_path / "cut.json"
+    argv = [str(rst_export[3]), str(rst_export[0]), "--out", str(out), "--no-progress"]
+    with pytest.raises(KeyboardInterrupt):
+        split_check.main([*argv, "--limit", "9", "--chunk", "5"])
+    partial = json.loads(out.read_text())
+    assert partial["images"] == 5 and partial["of"] == 9 and not partial["within_gate"]

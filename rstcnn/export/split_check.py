@@ -9,9 +9,10 @@ float32 eval mode (no autocast, no TF32 on a GPU). Both see the same uint8 image
 checkpoint's own test split (RS data: every image after the run's training and validation
 images; STL-10: the test set), or its last ``--limit`` images.
 
-Prints and writes (``--out``, default ``FILE.split-check.json``) both accuracies, the
-difference in points, top-1 agreement, the largest logit difference and whether the
-difference is within the reduced-precision gate (``export.precision.GATE_POINTS``).
+Prints and writes (``--out``, default ``FILE.split-check.json``, rewritten after every chunk)
+both accuracies, the difference in points, top-1 agreement, the largest logit difference and
+whether the difference is within the reduced-precision gate (``export.precision.GATE_POINTS``;
+only a finished split can be).
 
 A whole split is hours of CPU for the RST-CNN, so the run is resumable: each chunk's
 predictions are written at once (atomically) to ``OUT.state.npz``, and a second call with the
@@ -101,8 +102,10 @@ def check_split(
     device: str = "cpu",
     threads: int | None = None,
     progress: bool = True,
+    summary_path: Path | None = None,
 ) -> dict:
-    """Run (or go on with) the check; returns ``SplitState.summary()`` plus what was run."""
+    """Run (or go on with) the check; returns ``SplitState.summary()`` plus what was run,
+    also written to ``summary_path`` (JSON) after every chunk when given."""
     import torch
     from tqdm import tqdm
 
@@ -128,6 +131,19 @@ def check_split(
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     start_time = time.perf_counter()
+
+    def summarise() -> dict:
+        summary = state.summary()
+        summary.update(
+            checkpoint=str(checkpoint),
+            served_file=str(served_file),
+            precision=str(served.metadata.get("rstcnn.precision", "fp32")),
+            eager_device=device,
+            providers=list(served.providers),
+            seconds_this_call=round(time.perf_counter() - start_time, 1),
+        )
+        return summary
+
     bar = tqdm(total=len(images), initial=state.done, unit="img", disable=not progress)
     for start in range(0, len(images), chunk):
         if state.served[start] >= 0:
@@ -144,17 +160,16 @@ def check_split(
             )
         state.record(start, served_logits, eager_logits)
         bar.update(len(batch))
+        if summary_path is not None:  # a call cut off leaves the summary of what it did
+            write_json(summary_path, summarise())
     bar.close()
-    summary = state.summary()
-    summary.update(
-        checkpoint=str(checkpoint),
-        served_file=str(served_file),
-        precision=str(served.metadata.get("rstcnn.precision", "fp32")),
-        eager_device=device,
-        providers=list(served.providers),
-        seconds_this_call=round(time.perf_counter() - start_time, 1),
-    )
-    return summary
+    return summarise()
+
+
+def write_json(path: Path, summary: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -191,13 +206,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             device=args.device,
             threads=args.threads,
             progress=not args.no_progress,
+            summary_path=out,
         )
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"split_check: {err}", file=sys.stderr)
         return 2
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    tmp.replace(out)
+    write_json(out, summary)
     verdict = "within" if summary["within_gate"] else "NOT within"
     print(
         f"{summary['images']} of {summary['of']} images: served {100 * summary['served_accuracy']:.2f} %, "
