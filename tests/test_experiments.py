@@ -418,8 +418,10 @@ def test_k_sweep_verdict_needs_trials_and_the_spread():
         row("rst_cnn_fb_k9", 9, 76.0, 0.3, 3, 7.0),
     )
     assert spread_verdict([close, worse, default]).startswith(
-        "rst_cnn_fb_k6 (K = 6) is as accurate"
+        "rst_cnn_fb_k6 (K = 6) is at least as accurate"
     )
+    better = row("rst_cnn_fb_k17", 17, 80.0, 0.2, 3, 6.0)  # cheaper and more accurate
+    assert spread_verdict([worse, better, default]).startswith("rst_cnn_fb_k17 (K = 17)")
     assert "2.00x less" in spread_verdict([close, default])
     assert spread_verdict([worse, default]).startswith("rst_cnn_fb stays")
     assert spread_verdict([{**close, "trials": 2}, default]).startswith("no verdict yet")
