@@ -465,3 +465,20 @@ def test_k_sweep_smoke_trains_times_and_plots(tmp_path, idx_source, monkeypatch)
         m: r["accuracies"] for m, r in rows.items()
     }
     assert not (out / "rs-fashion" / "smoke" / "rst_cnn_fb-64-t0").exists()
+
+
+def test_reproduce_resume_only_finishes_carried_runs_and_starts_none(
+    tmp_path, idx_source, monkeypatch
+):
+    """A run begun elsewhere (its last.pt carried in, no summary) is finished; a run never
+    begun is left alone."""
+    monkeypatch.setenv("RSTCNN_DATA", str(tmp_path / "cache"))
+    out = tmp_path / "out"
+    argv = ["--data", "rs-fashion", "--budget", "smoke", "--models", "cnn", "--augment", "no"]
+    argv += ["--data-root", str(idx_source), "--threads", "1", "--out", str(out)]
+    assert reproduce.main([*argv, "--trials", "1"]) == 0
+    root = out / "rs-fashion" / "smoke"
+    (root / "cnn-64-t0" / "summary.json").unlink()  # stopped after its last epoch, say
+    assert reproduce.main([*argv, "--trials", "2", "--resume-only"]) == 1  # t1 still to do
+    assert (root / "cnn-64-t0" / "summary.json").is_file()
+    assert not (root / "cnn-64-t1").exists()

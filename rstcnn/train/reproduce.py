@@ -177,6 +177,8 @@ def run_all(specs: list[RunSpec], budget: Budget, opts: dict[str, Any], jobs: in
     completed epoch) and starts no other."""
     done = {s: finished(opts["root"], s, opts.get("results")) for s in specs}
     todo = [s for s in specs if done[s] is None]
+    if opts.get("resume_only"):  # only the runs begun elsewhere (e.g. carried from a GPU)
+        todo = [s for s in todo if (opts["root"] / s.name / "last.pt").is_file()]
     log.info("%d runs: %d finished, %d to go", len(specs), len(specs) - len(todo), len(todo))
     total = sum(run_cost(s, budget) for s in todo)
     bar = tqdm(total=round(total), desc="runs (cost-weighted ETA)", unit="u", dynamic_ncols=True)
@@ -444,6 +446,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "completed epoch; the same command resumes); with --jobs 1",
     )
     parser.add_argument(
+        "--resume-only",
+        action="store_true",
+        help="train only the unfinished runs that have a last.pt in --out (e.g. carried from "
+        "a GPU call); start no new run",
+    )
+    parser.add_argument(
         "--measure", action="store_true", help="only measure each model's throughput"
     )
     parser.add_argument(
@@ -495,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         "bf16": args.bf16,
         "method": args.method,
         "results": args.results,
+        "resume_only": args.resume_only,
     }
     if args.deadline is not None:  # as Ctrl-C: each trial stops at its next batch boundary
         signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
