@@ -225,7 +225,9 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, where: str) -> s
     ax.set_xscale("log")
     ax.set_xlabel(f"eval time per image, ms (batch {args.time_batch}, {where})")
     ax.set_ylabel("test accuracy (%)")
-    ax.set_title(f"{args.data}, N_tr {args.train_size}: K against speed (trials in brackets)")
+    ax.set_title(
+        f"{args.data}, {args.budget} budget, N_tr {args.train_size}: K against speed (trials)"
+    )
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out / "accuracy-vs-time.png", dpi=110)
