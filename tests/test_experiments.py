@@ -482,3 +482,17 @@ def test_reproduce_resume_only_finishes_carried_runs_and_starts_none(
     assert reproduce.main([*argv, "--trials", "2", "--resume-only"]) == 1  # t1 still to do
     assert (root / "cnn-64-t0" / "summary.json").is_file()
     assert not (root / "cnn-64-t1").exists()
+
+
+def test_deadline_sends_sigint_once_and_disarms():
+    import signal
+    import time
+
+    with pytest.raises(KeyboardInterrupt), reproduce.deadline(0.05):
+        time.sleep(2)  # interrupted after 0.05 s, as Ctrl-C would
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    with reproduce.deadline(None):
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    with reproduce.deadline(5):
+        pass  # left early: disarmed, nothing fires later
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)

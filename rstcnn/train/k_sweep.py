@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
 import sys
 import time
@@ -61,11 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", default=list(SWEEP_MODELS), choices=SWEEP_MODELS)
     parser.add_argument("--train-size", type=int, default=None, help="N_tr (default 5000)")
     parser.add_argument("--trials", type=int, default=MIN_TRIALS)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--bf16", action="store_true", help="train in bfloat16 autocast")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
-    parser.add_argument("--data-root", type=Path, default=None, help="RS source files")
-    parser.add_argument("--out", type=Path, default=Path("outputs/reproduce"))
+    reproduce.add_run_arguments(parser)
     parser.add_argument(
         "--results",
         type=Path,
@@ -74,7 +68,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "results/reproduce/<data>-full, for the full budget; else --sweep-out)",
     )
     parser.add_argument("--sweep-out", type=Path, default=None)
-    parser.add_argument("--deadline", type=float, default=None, metavar="SECONDS")
     parser.add_argument("--report", action="store_true", help="train nothing")
     parser.add_argument("--time-batch", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per batch size")
@@ -242,29 +235,15 @@ def main(argv: list[str] | None = None) -> int:
     root = args.out / args.data / args.budget
     root.mkdir(parents=True, exist_ok=True)
     if not args.report:
-        opts = {
-            "data": args.data,
-            "root": root,
-            "device": args.device,
-            "data_root": args.data_root,
-            "threads": args.threads,
-            "bf16": args.bf16,
-            "method": None,
-            "results": args.results,
-        }
-        if args.deadline is not None:  # as Ctrl-C: the run in progress stops at a batch
-            signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
-            signal.setitimer(signal.ITIMER_REAL, args.deadline)
         # trial by trial (plan's order): a call cut off by its deadline has one more trial of
         # every model before the next trial of any
         specs = reproduce.plan(budget, args.models, [False], args.trials, [args.train_size])
         try:
-            reproduce.run_all(specs, budget, opts, jobs=1)
+            with reproduce.deadline(args.deadline):
+                reproduce.run_all(specs, budget, reproduce.run_options(args, root), jobs=1)
         except (engine.SetupError, engine.TrainingError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 1
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
     for spec in reproduce.plan(budget, args.models, [False], args.trials, [args.train_size]):
         reproduce.keep(root, args.results, spec.name)  # runs an earlier call left in --out
     device = engine.pick_device(args.device)

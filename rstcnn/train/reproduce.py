@@ -381,6 +381,56 @@ def protocol_text(args: argparse.Namespace, budget: Budget, argv: list[str] | No
     return "\n".join(lines) + "\n"
 
 
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of every runner of protocol runs (this command, train/k_sweep.py)."""
+    parser.add_argument(
+        "--bf16", action="store_true", help="train in bfloat16 autocast (train/run.py --bf16)"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per run")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--data-root", type=Path, default=None, help="RS source files")
+    parser.add_argument("--out", type=Path, default=Path("outputs/reproduce"))
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop after this long as Ctrl-C does (the run in progress keeps its last "
+        "completed epoch; the same command resumes)",
+    )
+
+
+def run_options(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """What ``run_all`` and ``run_one`` need of a runner's parsed options."""
+    return {
+        "data": args.data,
+        "root": root,
+        "device": args.device,
+        "data_root": args.data_root,
+        "threads": args.threads,
+        "bf16": args.bf16,
+        "method": getattr(args, "method", None),
+        "results": args.results,
+        "resume_only": getattr(args, "resume_only", False),
+    }
+
+
+@contextlib.contextmanager
+def deadline(seconds: float | None):
+    """After ``seconds`` (None: never) the process gets SIGINT, which stops the trial in
+    progress at its next batch boundary as Ctrl-C does; disarmed on leaving."""
+    if seconds is None:
+        yield
+        return
+    previous = signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def record_summaries(budget: Budget, args: argparse.Namespace, root: Path) -> list[dict]:
     """Every finished run of the record (and of ``root``) in the space ``--report`` covers:
     the paper's models and this call's, both augmentation settings, the budget's N_tr, the
@@ -416,19 +466,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--train-sizes", nargs="+", type=int, default=None, help="N_tr values (budget default)"
     )
     parser.add_argument(
-        "--bf16", action="store_true", help="train in bfloat16 autocast (train/run.py --bf16)"
-    )
-    parser.add_argument(
         "--method",
         choices=("auto", "direct", "fft", "tuned"),
         default=None,
         help="the RST models' convolution method (default: the models' own, auto)",
     )
     parser.add_argument("--jobs", type=int, default=1, help="runs trained at once")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per run")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--data-root", type=Path, default=None, help="RS source files")
-    parser.add_argument("--out", type=Path, default=Path("outputs/reproduce"))
+    add_run_arguments(parser)
     parser.add_argument(
         "--results",
         type=Path,
@@ -436,14 +480,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="committed record: tables and each finished run's summary and metrics "
         "(default results/reproduce/<data>-<budget> for the full budget); runs found there "
         "count as done",
-    )
-    parser.add_argument(
-        "--deadline",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="stop after this long as Ctrl-C does (the run in progress keeps its last "
-        "completed epoch; the same command resumes); with --jobs 1",
     )
     parser.add_argument(
         "--resume-only",
@@ -494,20 +530,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"img/s  eval {r['eval_img_per_s']:7.1f} img/s  ({r['threads']} threads)"
             )
         return 0
-    opts = {
-        "data": args.data,
-        "root": root,
-        "device": args.device,
-        "data_root": args.data_root,
-        "threads": args.threads,
-        "bf16": args.bf16,
-        "method": args.method,
-        "results": args.results,
-        "resume_only": args.resume_only,
-    }
-    if args.deadline is not None:  # as Ctrl-C: each trial stops at its next batch boundary
-        signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
-        signal.setitimer(signal.ITIMER_REAL, args.deadline)
+    opts = run_options(args, root)
     specs = plan(budget, args.models, args.augment, args.trials, args.train_sizes)
     if args.report:
         done = (finished(root, spec, args.results) for spec in specs)
@@ -518,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps(asdict(budget), default=str, indent=2), "utf-8"
         )
         try:
-            summaries = run_all(specs, budget, opts, args.jobs)
+            with deadline(args.deadline):  # as Ctrl-C: each trial stops at a batch boundary
+                summaries = run_all(specs, budget, opts, args.jobs)
         except (engine.SetupError, engine.TrainingError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 1
