@@ -149,14 +149,21 @@ def test_overrides_reach_the_config():
     ],
 )
 def test_parameter_counts_match_the_paper(name, target, tol):
-    model = create_model(name)
+    model = default_model(name)
     count = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert abs(count - target) <= tol * target, count
 
 
+@functools.cache
+def default_model(name: str) -> nn.Module:
+    """A registered model at its defaults, built once for the tests that only read it (the
+    e2cnn peers take ~20 s each to build)."""
+    return create_model(name)
+
+
 @pytest.mark.parametrize("name", list_models())
 def test_every_default_model_builds(name):
-    model = create_model(name)
+    model = default_model(name)
     assert sum(p.numel() for p in model.parameters()) > 0
     assert dataclasses.is_dataclass(model.config)
 
