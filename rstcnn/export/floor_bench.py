@@ -49,18 +49,23 @@ def _graph(node: onnx.NodeProto, x: np.ndarray, inits: list[onnx.TensorProto]) -
 
 
 def _seconds(model: bytes, x: np.ndarray, repeats: int) -> float:
+    return _timed_run(model, x, repeats)[0]
+
+
+def _timed_run(model: bytes, x: np.ndarray, repeats: int) -> tuple[float, np.ndarray]:
+    """Median seconds of ``repeats`` runs after a warm-up one, and the warm-up's output."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
     session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-    session.run(None, {"x": x})
+    out = session.run(None, {"x": x})[0]
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         session.run(None, {"x": x})
         times.append(time.perf_counter() - start)
-    return float(np.median(times))
+    return float(np.median(times)), out
 
 
 def _conv(x: np.ndarray, w: np.ndarray, pad: int) -> tuple[onnx.NodeProto, list]:
@@ -133,9 +138,16 @@ class FFTForm(nn.Module):
         self.rot, self.nsc = layer.spec.rotations, layer.spec.num_scales
         self.cin, self.cout = layer.in_channels, layer.out_channels
         dft = _dft_matrices(h, h, nh, nw, torch.float32, torch.device("cpu"))
-        for name in ("cos_h", "msin_h", "cos_w", "sin_w"):
-            self.register_buffer(name, getattr(dft, name).clone())
-        for name in ("inv_cos_h", "inv_sin_h", "inv_cos_w", "inv_sin_w"):
+        for name in (
+            "cos_h",
+            "msin_h",
+            "cos_w",
+            "sin_w",
+            "inv_cos_h",
+            "inv_sin_h",
+            "inv_cos_w",
+            "inv_sin_w",
+        ):
             self.register_buffer(name, getattr(dft, name).clone())
         index, inverse = _quarter_turn_rows(h, self.rot, self.nsc, torch.device("cpu"))
         self.register_buffer("index", index.clone())
@@ -201,20 +213,10 @@ def measure_fft(repeats: int = 5, batches: Sequence[int] = (1, 8)) -> list[tuple
             x = torch.randn(batch, cin, R, len(KERNELS), side, side)
             with torch.no_grad():
                 expected = layer.forward_fft(x, bias=layer.bias).numpy()
-            got = _run(model, x.numpy())
-            seconds = _seconds(model, x.numpy(), repeats)
+            seconds, got = _timed_run(model, x.numpy(), repeats)
             diff = float(np.abs(got - expected).max())
             rows.append((name, batch, 1e3 * seconds / batch, diff))
     return rows
-
-
-def _run(model: bytes, x: np.ndarray) -> np.ndarray:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 2
-    session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-    return session.run(None, {"x": x})[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

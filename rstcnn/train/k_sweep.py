@@ -142,13 +142,12 @@ def spread_verdict(rows: list[dict[str, Any]]) -> str:
     return f"{DEFAULT} stays: no cheaper setting is within the trials' spread of its accuracy"
 
 
-def sweep_rows(args: argparse.Namespace, budget: Budget) -> list[dict[str, Any]]:
-    root = args.out / args.data / args.budget
-    device = engine.pick_device(args.device)
+def sweep_rows(
+    args: argparse.Namespace, budget: Budget, specs: list, root: Path, device: torch.device
+) -> list[dict[str, Any]]:
     rows = []
     for model in args.models:
-        specs = reproduce.plan(budget, [model], [False], args.trials, [args.train_size])
-        done = [reproduce.finished(root, s, args.results) for s in specs]
+        done = [reproduce.finished(root, s, args.results) for s in specs if s.model == model]
         accs = [100 * d["test_acc"] for d in done if d is not None]
         net = build(model, budget, args.train_size)
         spec = net.config.basis_spec()
@@ -234,20 +233,20 @@ def main(argv: list[str] | None = None) -> int:
     budget = BUDGETS[args.budget]
     root = args.out / args.data / args.budget
     root.mkdir(parents=True, exist_ok=True)
+    # trial by trial (plan's order): a call cut off by its deadline has one more trial of
+    # every model before the next trial of any
+    specs = reproduce.plan(budget, args.models, [False], args.trials, [args.train_size])
     if not args.report:
-        # trial by trial (plan's order): a call cut off by its deadline has one more trial of
-        # every model before the next trial of any
-        specs = reproduce.plan(budget, args.models, [False], args.trials, [args.train_size])
         try:
             with reproduce.deadline(args.deadline):
                 reproduce.run_all(specs, budget, reproduce.run_options(args, root), jobs=1)
         except (engine.SetupError, engine.TrainingError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 1
-    for spec in reproduce.plan(budget, args.models, [False], args.trials, [args.train_size]):
+    for spec in specs:
         reproduce.keep(root, args.results, spec.name)  # runs an earlier call left in --out
     device = engine.pick_device(args.device)
-    rows = sweep_rows(args, budget)
+    rows = sweep_rows(args, budget, specs, root, device)
     print(write(rows, args, machine(device)), end="")
     return 0
 

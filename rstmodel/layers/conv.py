@@ -32,6 +32,12 @@ from .pooling import _check_even
 __all__ = ["LiftingRSTConv", "GroupRSTConv", "RSTPointwise"]
 
 
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast computes in on ``device``'s type now, None where it is off."""
+    kind = device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
 class _BasisConv(nn.Module):
     """Shared machinery: coefficients, the sampled basis buffer, the eval-mode cache."""
 
@@ -72,9 +78,9 @@ class _BasisConv(nn.Module):
         tensors, which a later float32 call must not reuse."""
         if self.training or torch.is_grad_enabled() and self.weight.requires_grad:
             return build()
-        kind = self.weight.device.type
-        if torch.is_autocast_enabled(kind):
-            name = f"{name}@{torch.get_autocast_dtype(kind)}"
+        autocast = _autocast_dtype(self.weight.device)
+        if autocast is not None:
+            name = f"{name}@{autocast}"
         key = (self.weight._version, self.weight.data_ptr(), self.weight.dtype, self.weight.device)
         hit = self._cache.get(name)
         if hit is None or hit[0] != key or not torch.equal(hit[1], self.weight):
@@ -86,9 +92,7 @@ class _BasisConv(nn.Module):
         """TUNED in eval mode: the path that ran ``x`` fastest (each timed once after a
         warm-up call that fills its caches), remembered per input shape, dtype, device and
         autocast state (bfloat16 autocast can make another path the fastest)."""
-        kind = x.device.type
-        autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
-        key = (tuple(x.shape), x.dtype, x.device, autocast)
+        key = (tuple(x.shape), x.dtype, x.device, _autocast_dtype(x.device))
         choice = self._tuned.get(key)
         if choice is None:
             with torch.no_grad():
