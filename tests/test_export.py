@@ -672,6 +672,15 @@ def test_split_check_compares_the_served_file_with_eager_and_resumes(
     assert split_check.main([*argv, "--limit", "12"]) == 0
     assert seen == [2] and json.loads(out.read_text())["top1_agreement"] == 1.0
 
+    # a state left by another chunk size: exactly the images not yet run, none skipped
+    with np.load(state_path) as saved:
+        arrays = {k: saved[k].copy() for k in saved.files}
+    arrays["served"][[3, 4, 8]] = -1
+    np.savez(state_path, **arrays)
+    seen.clear()
+    assert split_check.main([*argv[:-1], "2", "--limit", "12"]) == 0
+    assert seen == [2, 1] and json.loads(out.read_text())["images"] == 12
+
     # other images: the saved state is not reused
     seen.clear()
     assert split_check.main([*argv, "--limit", "7"]) == 0

@@ -16,8 +16,8 @@ only a finished split can be).
 
 A whole split is hours of CPU for the RST-CNN, so the run is resumable: each chunk's
 predictions are written at once (atomically) to ``OUT.state.npz``, and a second call with the
-same files and images goes on from the first chunk not done; other files or images start
-afresh. Exit 0 when the file is within the gate, 1 when not, 2 on bad input.
+same files and images runs only the images not yet done (whatever its chunk size); other
+files or images start afresh. Exit 0 when the file is within the gate, 1 when not, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -61,11 +61,15 @@ class SplitState:
     def done(self) -> int:
         return int((self.served >= 0).sum())
 
-    def record(self, start: int, served: np.ndarray, eager: np.ndarray) -> None:
-        end = start + len(served)
-        self.served[start:end] = served.argmax(1)
-        self.eager[start:end] = eager.argmax(1)
-        self.diff[start:end] = np.abs(served - eager).max(1)
+    def todo(self) -> np.ndarray:
+        """Indices of the images not yet run, in order."""
+        return np.flatnonzero(self.served < 0)
+
+    def record(self, index: np.ndarray, served: np.ndarray, eager: np.ndarray) -> None:
+        """Store the logits of the images at ``index`` and save the state atomically."""
+        self.served[index] = served.argmax(1)
+        self.eager[index] = eager.argmax(1)
+        self.diff[index] = np.abs(served - eager).max(1)
         tmp = self.path.with_name(f".{self.path.name}.tmp.npz")
         np.savez(tmp, key=self.key, served=self.served, eager=self.eager, diff=self.diff)
         tmp.replace(self.path)
@@ -145,10 +149,10 @@ def check_split(
         return summary
 
     bar = tqdm(total=len(images), initial=state.done, unit="img", disable=not progress)
-    for start in range(0, len(images), chunk):
-        if state.served[start] >= 0:
-            continue
-        batch = images[start : start + chunk].astype(np.float32) / 255
+    todo = state.todo()  # exactly the images not yet run, whatever chunks an earlier call used
+    for first in range(0, len(todo), chunk):
+        index = todo[first : first + chunk]
+        batch = images[index].astype(np.float32) / 255
         served_logits = served.run_logits(served.normalize(batch))
         x = torch.from_numpy((batch - mean) / std)
         with torch.no_grad():  # in slices: the RST-CNN's eval peak grows with the batch
@@ -158,7 +162,7 @@ def check_split(
                     for i in range(0, len(x), eager_batch)
                 ]
             )
-        state.record(start, served_logits, eager_logits)
+        state.record(index, served_logits, eager_logits)
         bar.update(len(batch))
         if summary_path is not None:  # a call cut off leaves the summary of what it did
             write_json(summary_path, summarise())
