@@ -1,9 +1,11 @@
-"""Inference speed of the deployment forms: ``python -m export.bench``.
+"""Inference speed of the deployment forms: ``python -m export.bench [--forms ...]``.
 
 For each model (default ``rst_cnn_fb`` and ``cnn``, random weights with perturbed batch
 norm statistics, so no checkpoint is needed) and each form
 
     eager    the library model in eval mode (its fastest paths, train-form parameters)
+    eager_bf16  the same under bfloat16 autocast (``rstmodel.precision``; only where the
+             CPU runs bfloat16 natively)
     baked    ``export.bake``: plain torch, static convolutions, batch norms folded
     onnx     the exported ONNX file on onnxruntime's CPU provider
 
@@ -34,8 +36,10 @@ import rstmodel
 from rstcnn.export.bake import bake
 from rstcnn.export.onnx_export import export_model
 from rstcnn.train.runtime import use_retaining_allocator
+from rstmodel.precision import bf16_supported, inference
 
-FORMS = ("eager", "baked", "onnx")
+FORMS = ("eager", "eager_bf16", "baked", "onnx")
+DEFAULT_FORMS = ("eager", "baked", "onnx")
 
 
 def perturb_norms(model: nn.Module, seed: int = 0) -> nn.Module:
@@ -75,15 +79,16 @@ def runners(model: nn.Module, shape: tuple[int, int, int], threads: int, folder:
     options.inter_op_num_threads = 1
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
-    def torch_form(net: nn.Module) -> Callable[[np.ndarray], np.ndarray]:
+    def torch_form(net: nn.Module, precision: str = "fp32") -> Callable[[np.ndarray], np.ndarray]:
         def run(x: np.ndarray) -> np.ndarray:
-            with torch.no_grad():
-                return net(torch.from_numpy(x)).numpy()
+            with inference(precision):
+                return net(torch.from_numpy(x)).float().numpy()
 
         return run
 
     return {
         "eager": torch_form(model),
+        "eager_bf16": torch_form(model, "bf16"),
         "baked": torch_form(baked),
         "onnx": lambda x: session.run(None, {"images": x})[0],
     }
@@ -102,6 +107,9 @@ def measure(name: str, args: argparse.Namespace, folder: Path) -> dict[str, dict
     reference = forms["eager"](x1)
     out: dict[str, dict[str, float]] = {}
     for form in args.forms:
+        if form == "eager_bf16" and not bf16_supported():
+            logging.warning("%s: this CPU has no native bfloat16, eager_bf16 not run", name)
+            continue
         run = forms[form]
         diff = float(np.abs(run(x1) - reference).max())
         b1 = time_call(lambda run=run: run(x1), args.repeats)
@@ -118,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m export.bench", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--models", nargs="+", default=["rst_cnn_fb", "cnn"])
-    parser.add_argument("--forms", nargs="+", default=list(FORMS), choices=FORMS)
+    parser.add_argument("--forms", nargs="+", default=list(DEFAULT_FORMS), choices=FORMS)
     parser.add_argument("--repeats", type=int, default=5, help="timed calls at batch 1 (default 5)")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)

@@ -228,4 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from rstcnn.train.runtime import use_retaining_allocator
+
+    use_retaining_allocator()  # RSTCNN_ALLOCATOR (default: huge pages): re-exec once
     raise SystemExit(main())
