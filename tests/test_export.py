@@ -744,3 +744,87 @@ def test_split_check_cut_off_leaves_the_summary_of_its_chunks(rst_export, tmp_pa
         split_check.main([*argv, "--limit", "9", "--chunk", "5"])
     partial = json.loads(out.read_text())
     assert partial["images"] == 5 and partial["of"] == 9 and not partial["within_gate"]
+
+
+# ---------------------------------------------------------------- eager engine (serve.eager)
+
+
+def test_eager_engine_is_the_exported_file_in_float32(rst_export):
+    """Classifier.from_checkpoint(precision="fp32") runs the checkpoint as the exported
+    file does: the same logits, the same metadata where they share it."""
+    from rstcnn.serve.classifier import Classifier
+
+    path, checkpoint = rst_export[0], rst_export[3]
+    eager = Classifier.from_checkpoint(checkpoint, "fp32", max_batch=3)
+    onnx_clf = Classifier.from_onnx(path)
+    x = np.random.default_rng(1).random((5, *onnx_clf.input_size), dtype=np.float32)
+    got, want = eager.run_logits(eager.normalize(x)), onnx_clf.run_logits(onnx_clf.normalize(x))
+    assert got.shape == want.shape == (5, len(onnx_clf.class_names))
+    assert np.abs(got - want).max() < 1e-4
+    for key in ("model", "class_names", "input_size", "normalization", "checkpoint_sha256"):
+        assert eager.metadata["rstcnn." + key] == onnx_clf.metadata["rstcnn." + key], key
+    turns = "rstcnn.quarter_turn_invariant"
+    assert eager.metadata[turns] is onnx_clf.metadata[turns] is True
+    assert eager.metadata["rstcnn.precision"] == "fp32" and eager.providers == ["torch-fp32"]
+    assert eager.source == str(checkpoint)
+
+
+def test_eager_bf16_is_served_only_with_its_own_passing_check(rst_export, tmp_path, caplog):
+    import shutil
+
+    from rstcnn.export.onnx_export import file_sha256
+    from rstcnn.serve.classifier import Classifier
+    from rstcnn.serve.eager import gate_path, write_gate
+    from rstcnn.serve.variants import servable
+    from rstmodel.precision import bf16_supported
+
+    checkpoint = tmp_path / "model.pt"
+    shutil.copy(rst_export[3], checkpoint)
+    digest = file_sha256(checkpoint)
+    # no check recorded: "auto" is exact float32; bf16 asked for is not servable
+    assert Classifier.from_checkpoint(checkpoint).metadata["rstcnn.precision"] == "fp32"
+    half = Classifier.from_checkpoint(checkpoint, "bf16")
+    assert servable(half) == (False, "bf16 without an accuracy check (export it with --check N)")
+    # a check of another version of the file is ignored, and said so
+    record = {"passes": True, "images": 64, "drop_points": 0.1, "limit_points": 0.5}
+    write_gate(checkpoint, "0" * 64, record)
+    assert not servable(Classifier.from_checkpoint(checkpoint, "bf16"))[0]
+    assert "made for another version" in caplog.text
+    # its own passing check: servable; "auto" takes bf16 where the CPU has it
+    assert write_gate(checkpoint, digest, record) == gate_path(checkpoint)
+    assert gate_path(checkpoint).name == "model.bf16-gate.json"
+    half = Classifier.from_checkpoint(checkpoint, "bf16")
+    assert servable(half) == (True, "bf16, accuracy check passed (+0.10 points on 64 test images)")
+    auto = Classifier.from_checkpoint(checkpoint)
+    assert auto.metadata["rstcnn.precision"] == ("bf16" if bf16_supported() else "fp32")
+    # a failing check: not servable
+    write_gate(checkpoint, digest, {**record, "passes": False, "drop_points": 0.9})
+    assert not servable(Classifier.from_checkpoint(checkpoint, "bf16"))[0]
+    assert Classifier.from_checkpoint(checkpoint).metadata["rstcnn.precision"] == "fp32"
+
+
+def test_eager_engine_names_a_bad_checkpoint(tmp_path):
+    from rstcnn.serve.classifier import Classifier
+
+    with pytest.raises(ValueError, match="no checkpoint at"):
+        Classifier.from_checkpoint(tmp_path / "none.pt")
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match="bad.pt"):
+        Classifier.from_checkpoint(bad)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        Classifier.from_checkpoint(bad, "int8")
+
+
+def test_app_serves_a_checkpoint_beside_its_exported_file(rst_export):
+    """serve/app.py --model X.pt --model X.onnx: the two compete as files of one checkpoint."""
+    from rstcnn.serve.app import _load
+    from rstcnn.serve.variants import fastest_variants
+
+    loaded = _load([str(rst_export[3]), str(rst_export[0])], threads=1)
+    assert [c.providers[0] for c in loaded] == ["torch-fp32", "CPUExecutionProvider"]
+    served, lines = fastest_variants(loaded, batch=4, repeats=1)
+    assert len(served) == 1 and served[0] in loaded
+    assert sum("served" in line for line in lines) == 1 and len(lines) == 2
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        _load(["missing.pt"], threads=None)

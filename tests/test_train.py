@@ -698,6 +698,18 @@ def test_precision_check_compares_bf16_with_float32(tmp_path, source, env, pipel
     assert code == (0 if r["passes"] else 1)
     assert json.loads(out.read_text())["top1_agreement"] == r["top1_agreement"]
     assert "top-1 agreement" in capsys.readouterr().out
+    # --record: the gate beside the checkpoint, which the app's eager engine reads
+    from rstcnn.serve.classifier import Classifier
+    from rstcnn.serve.eager import gate_path
+
+    assert precision_check.main([*argv, "--record"]) == code
+    assert str(gate_path(best)) in capsys.readouterr().out
+    gate = json.loads(gate_path(best).read_text())
+    assert gate["passes"] == r["passes"] and gate["images"] == 64
+    assert gate["drop_points"] == pytest.approx(100 * (r["fp32_acc"] - r["bf16_acc"]))
+    served = Classifier.from_checkpoint(best)
+    assert served.metadata["rstcnn.precision"] == ("bf16" if r["passes"] else "fp32")
+    gate_path(best).unlink()
     assert precision_check.main([str(tmp_path / "missing.pt")]) == 2
     assert "no checkpoint" in capsys.readouterr().err
 

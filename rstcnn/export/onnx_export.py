@@ -9,7 +9,7 @@ import hashlib
 import json
 import logging
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ __all__ = [
     "export_model",
     "export_onnx",
     "group_metadata",
+    "logits_keep_under_quarter_turns",
     "onnx_metadata",
     "data_sample",
     "dataset_of",
@@ -152,21 +153,30 @@ QUARTER_TURNS = "rstcnn.quarter_turn_invariant"
 
 
 def quarter_turn_invariant(proto: onnx.ModelProto, tolerance: float = 1e-4) -> bool:
-    """Whether the graph's logits stay the same (within ``tolerance`` of their scale) when
-    random inputs are turned by a quarter turn, measured through onnxruntime. Recorded in
-    the metadata, so a server may reuse one prediction for an image's four turns."""
+    """Whether the graph's logits stay the same (``logits_keep_under_quarter_turns``),
+    measured through onnxruntime. Recorded in the metadata, so a server may reuse one
+    prediction for an image's four turns."""
     import onnxruntime as ort
 
     session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     dims = [d.dim_value for d in proto.graph.input[0].type.tensor_type.shape.dim[1:]]
+    return logits_keep_under_quarter_turns(
+        lambda x: session.run([OUTPUT], {INPUT: x})[0], dims, tolerance
+    )
+
+
+def logits_keep_under_quarter_turns(run: Any, dims: Sequence[int], tolerance: float = 1e-4) -> bool:
+    """Whether ``run`` (float32 ``[N, C, H, W]`` -> logits) gives the same logits, within
+    ``tolerance`` of their scale, for random inputs of size ``dims`` (C, H, W) turned by one,
+    two and three quarter turns."""
     if len(dims) != 3 or dims[1] != dims[2]:
         return False
     x = np.random.default_rng(0).standard_normal((2, *dims)).astype(np.float32)
-    plain = session.run([OUTPUT], {INPUT: x})[0]
+    plain = np.asarray(run(x))
     limit = tolerance * max(1.0, float(np.abs(plain).max()))
     for turns in (1, 2, 3):
         turned = np.ascontiguousarray(np.rot90(x, turns, axes=(2, 3)))
-        if np.abs(session.run([OUTPUT], {INPUT: turned})[0] - plain).max() > limit:
+        if np.abs(np.asarray(run(turned)) - plain).max() > limit:
             return False
     return True
 

@@ -2,9 +2,11 @@
 
     python -m export.split_check CHECKPOINT FILE.onnx [--out JSON] [--limit N]
         [--chunk 512] [--device cpu|cuda] [--threads N]
+    python -m export.split_check CHECKPOINT CHECKPOINT   (the eager engine the app would serve)
 
 ``FILE.onnx`` (any precision ``export/to_onnx.py`` writes) runs through
-``serve.Classifier.from_onnx`` with its defaults, as the app runs it; ``CHECKPOINT`` runs in
+``serve.Classifier.from_onnx`` with its defaults, as the app runs it (a ``.pt`` through
+``Classifier.from_checkpoint``, precision "auto", as ``serve/app.py --model X.pt`` runs it); ``CHECKPOINT`` runs in
 float32 eval mode (no autocast, no TF32 on a GPU). Both see the same uint8 images: the
 checkpoint's own test split (RS data: every image after the run's training and validation
 images; STL-10: the test set), or its last ``--limit`` images.
@@ -120,15 +122,19 @@ def check_split(
     model, meta = load_checkpoint(checkpoint, map_location=device)
     model = model.float().to(device).eval()
     images, labels = data_sample(meta, limit, labels=True)
-    served = Classifier.from_onnx(served_file, threads=threads)
-    key = json.dumps(
-        {
-            "checkpoint": file_sha256(checkpoint),
-            "served": file_sha256(served_file),
-            "images": len(images),
-            "first_label_digest": int(np.asarray(labels, np.int64).sum()),
-        }
-    )
+    if served_file.suffix == ".pt":  # a checkpoint served by eager torch (serve.eager)
+        served = Classifier.from_checkpoint(served_file, threads=threads)
+    else:
+        served = Classifier.from_onnx(served_file, threads=threads)
+    what = {
+        "checkpoint": file_sha256(checkpoint),
+        "served": file_sha256(served_file),
+        "images": len(images),
+        "first_label_digest": int(np.asarray(labels, np.int64).sum()),
+    }
+    if served_file.suffix == ".pt":  # one file, several precisions
+        what["precision"] = str(served.metadata.get("rstcnn.precision", "fp32"))
+    key = json.dumps(what)
     state = SplitState(state_path, key, np.asarray(labels))
     mean = np.asarray(meta.mean, np.float32).reshape(1, -1, 1, 1)
     std = np.asarray(meta.std, np.float32).reshape(1, -1, 1, 1)
@@ -179,7 +185,7 @@ def write_json(path: Path, summary: dict) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m export.split_check", description=__doc__)
     parser.add_argument("checkpoint", type=Path, help="the float32 reference (.pt)")
-    parser.add_argument("served", type=Path, help="the ONNX file the app serves")
+    parser.add_argument("served", type=Path, help="the ONNX file (or .pt) the app serves")
     parser.add_argument("--out", type=Path, help="JSON result (default FILE.split-check.json)")
     parser.add_argument("--limit", type=int, help="only the last N test images")
     parser.add_argument("--chunk", type=int, default=512, help="images per saved step")

@@ -2,6 +2,7 @@
 side, and show how stable each prediction is under rotation, scaling and deformation.
 
     python serve/app.py [--model M.onnx ...] [--host 127.0.0.1] [--port 7860]
+    python serve/app.py --model models/rst_cnn_fb.pt ...   (eager torch; opt-in, see serve.eager)
 
 One server: the HTTP API (``serve.api``: /healthz, /v1/models, /v1/classify, /v1/stability,
 OpenAPI docs at /docs) and the Gradio UI mounted at /. Nothing leaves the machine: Gradio's
@@ -80,8 +81,8 @@ DEFAULT_MODELS = ("models/rst_cnn_fb.onnx", "models/cnn.onnx")
 
 
 def _load(models: Sequence[str | Path | Any] | None, threads: int | None) -> list[Any]:
-    """Classifiers from ONNX paths (relative ones against the working folder, then the
-    repository) or ready objects."""
+    """Classifiers from ONNX paths, checkpoint paths (``.pt``: eager torch, ``serve.eager``;
+    relative ones against the working folder, then the repository) or ready objects."""
     out = []
     for item in models or DEFAULT_MODELS:
         if not isinstance(item, (str, Path)):
@@ -90,12 +91,17 @@ def _load(models: Sequence[str | Path | Any] | None, threads: int | None) -> lis
         path = Path(item)
         if not path.is_file() and not path.is_absolute() and (REPO_ROOT / path).is_file():
             path = REPO_ROOT / path
+        if not path.is_file() and path.suffix == ".pt":
+            raise FileNotFoundError(f"no checkpoint at {item}")
         if not path.is_file():
             raise FileNotFoundError(
                 f"no model at {item}: export a checkpoint with "
                 f"`python export/to_onnx.py {Path(item).with_suffix('.pt')} -o {item}`"
             )
-        out.append(Classifier.from_onnx(path, threads=threads))
+        if path.suffix == ".pt":
+            out.append(Classifier.from_checkpoint(path, threads=threads))
+        else:
+            out.append(Classifier.from_onnx(path, threads=threads))
     return out
 
 
@@ -720,12 +726,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--model",
         action="append",
-        help=f"ONNX model to serve (repeatable; default: {' '.join(DEFAULT_MODELS)}); of "
-        "several files of one checkpoint the fastest servable one is served",
+        help=f"ONNX model to serve (repeatable; default: {' '.join(DEFAULT_MODELS)}), or a "
+        "checkpoint (.pt) to serve by eager torch (bfloat16 where it has a passing "
+        "train/precision_check.py --record); of several files of one checkpoint the fastest "
+        "servable one is served",
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=7860)
-    parser.add_argument("--threads", type=int, default=None, help="onnxruntime threads per model")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="onnxruntime threads per model (torch's, for a .pt)",
+    )
     parser.add_argument(
         "--samples-dir", default=None, help="gallery folder (default: the shipped serve/gallery)"
     )

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 # images per backend call; longer inputs run in chunks, so that memory is bounded by the
 # chunk (rst_cnn_fb: ~25 MB per image in onnxruntime on the CPU), not by the input's length
 MAX_BATCH = 32
+EAGER_MAX_BATCH = 11  # measured: a sweep's 22 distinct images in two passes (BENCHMARKS.md)
 MAX_MODEL_BYTES = 1 << 30  # an ONNX file larger than this is refused unread
 
 _PREFIX = "rstcnn."
@@ -252,6 +253,27 @@ class Classifier:
                 f"{name}: {len(self.class_names)} class names in the metadata, but the graph's "
                 f"output is {list(output_shape)} (re-export the checkpoint)"
             )
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | Path,
+        precision: str = "auto",
+        threads: int | None = None,
+        *,
+        max_batch: int = EAGER_MAX_BATCH,
+    ) -> Classifier:
+        """Serve a checkpoint (``.pt``) by eager torch (``serve.eager``; needs torch):
+        ``precision`` "fp32" (exact), "bf16" (autocast; servable only with its recorded
+        accuracy check) or "auto" (bf16 where the CPU has it and the check passed).
+        ``threads``: torch's intra-op threads. ``max_batch``: images per forward pass
+        (the eager peak grows with it)."""
+        from .eager import load
+
+        run, metadata, providers = load(path, precision, threads)
+        classifier = cls(run, metadata, providers, max_batch=max_batch)
+        classifier.source = str(path)
+        return classifier
 
     @classmethod
     def from_tensorrt(cls, plan: str | Path) -> Classifier:

@@ -2,6 +2,7 @@
 
     python train/precision_check.py models/rst_cnn_fb.pt --limit 1024
     python train/precision_check.py runs/x/best.pt --device cuda
+    python train/precision_check.py models/rst_cnn_fb.pt --record   (for the app, see below)
 
 Runs the checkpoint on the first ``--limit`` images of its RS test split (its realisation,
 N_tr and validation size: none seen in training) in float32 and in bfloat16 autocast
@@ -10,6 +11,10 @@ the top class, the largest logit change relative to the largest float32 logit, t
 each pass (same process, same batches) and whether bfloat16 passes the gate: accuracy
 within ``--tolerance`` points of float32 (0.5, as the exported int8 / fp16 files' gate).
 Exit status 0 when it passes, 1 when it does not, 2 when it cannot run.
+
+``--record`` writes the result beside the checkpoint (``NAME.bf16-gate.json``, tied to the
+checkpoint file's SHA-256): the accuracy check that lets ``serve/app.py --model NAME.pt``
+serve the checkpoint in bfloat16 (``serve.eager``).
 """
 
 from __future__ import annotations
@@ -93,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=0.5, help="accuracy points")
     parser.add_argument("--data-root", type=Path, default=None, help="folder of RS source files")
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help="write the gate beside the checkpoint (NAME.bf16-gate.json) for serve/app.py",
+    )
     args = parser.parse_args(argv)
     if args.limit < 1 or args.batch < 1:
         parser.error("--limit and --batch must be positive")
@@ -119,6 +129,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.json is not None:
         args.json.write_text(json.dumps(r, indent=2) + "\n", encoding="utf-8")
+    if args.record:
+        from rstcnn.export.onnx_export import file_sha256
+        from rstcnn.serve.eager import write_gate
+
+        gate = {
+            "passes": r["passes"],
+            "precision": "bf16",
+            "images": r["images"],
+            "accuracy": r["bf16_acc"],
+            "reference_accuracy": r["fp32_acc"],
+            "drop_points": 100 * (r["fp32_acc"] - r["bf16_acc"]),
+            "limit_points": r["tolerance_points"],
+            "top1_agreement": r["top1_agreement"],
+            "device": r["device"],
+        }
+        print(f"  recorded: {write_gate(args.checkpoint, file_sha256(args.checkpoint), gate)}")
     return 0 if r["passes"] else 1
 
 

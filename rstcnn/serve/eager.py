@@ -1,0 +1,122 @@
+"""A checkpoint served by eager torch: ``Classifier.from_checkpoint`` (and ``serve/app.py
+--model CHECKPOINT.pt``).
+
+Where the CPU runs bfloat16 natively, the library model's own fast paths under bfloat16
+autocast evaluate a stability sweep's batch of the RST-CNN faster than its exported file
+does in onnxruntime (BENCHMARKS.md, "Issue 13, fifth pass"), at the price of torch in the
+server and more memory. It is opt-in, and the same rules hold as for the exported files:
+
+- ``precision="fp32"`` runs the checkpoint exactly;
+- ``precision="bf16"`` may be served only with a passing accuracy check of this very
+  checkpoint file, written beside it by ``python train/precision_check.py CKPT --record``
+  (``CKPT`` with the suffix ``.bf16-gate.json``); without one ``serve.variants`` leaves it
+  out, as it does an unchecked int8 file;
+- ``precision="auto"`` (the app's choice) is ``bf16`` where the CPU has it and such a check
+  passed, ``fp32`` otherwise.
+
+The metadata is the exported files' (``export.onnx_export.onnx_metadata``) plus the
+precision, the gate and whether quarter turns keep the logits (measured at load, in
+float32), so the app, ``serve.variants`` and ``export.split_check`` treat it like a file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["PRECISIONS", "gate_path", "load", "read_gate", "write_gate"]
+
+log = logging.getLogger("serve.eager")
+
+PRECISIONS = ("auto", "fp32", "bf16")
+GATE_SUFFIX = ".bf16-gate.json"
+
+
+def gate_path(checkpoint: str | Path) -> Path:
+    """Where the bfloat16 accuracy check of ``checkpoint`` is kept: beside it."""
+    checkpoint = Path(checkpoint)
+    return checkpoint.with_name(checkpoint.stem + GATE_SUFFIX)
+
+
+def write_gate(checkpoint: str | Path, digest: str, record: dict) -> Path:
+    """Write ``record`` (``passes``, ``images``, ``accuracy``, ``reference_accuracy``,
+    ``drop_points``, ``limit_points``, ...) as the check of the checkpoint whose file has
+    the SHA-256 ``digest``. Atomic."""
+    path = gate_path(checkpoint)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({**record, "checkpoint_sha256": digest}, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_gate(checkpoint: str | Path, digest: str) -> dict | None:
+    """The recorded check of this very checkpoint file, or None (none, unreadable, or made
+    for another version of the file; logged)."""
+    path = gate_path(checkpoint)
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+        passes, made_for = record["passes"], record["checkpoint_sha256"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        log.warning("%s: unreadable accuracy check (%s); ignored", path, err)
+        return None
+    if made_for != digest:
+        log.warning("%s: made for another version of %s; ignored", path, Path(checkpoint).name)
+        return None
+    return {**record, "passes": bool(passes)}
+
+
+def load(
+    checkpoint: str | Path, precision: str = "auto", threads: int | None = None
+) -> tuple[Callable[[np.ndarray], np.ndarray], dict[str, str], list[str]]:
+    """``(run, metadata, providers)`` for ``Classifier``: ``run`` maps a normalised float32
+    ``[N, C, H, W]`` batch to float32 logits with the checkpoint's model in eval mode.
+    ``threads``: torch's intra-op threads (process-wide; default: torch's). Raises
+    ``ValueError`` for a missing or unreadable checkpoint or an unknown precision."""
+    import torch
+
+    from rstcnn.export.onnx_export import (
+        QUARTER_TURNS,
+        file_sha256,
+        logits_keep_under_quarter_turns,
+        onnx_metadata,
+    )
+    from rstmodel.checkpoint import CheckpointError, load_checkpoint
+    from rstmodel.precision import bf16_supported, inference
+
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    checkpoint = Path(checkpoint)
+    try:
+        model, meta = load_checkpoint(checkpoint)
+    except (FileNotFoundError, CheckpointError) as err:
+        raise ValueError(f"{checkpoint}: {err}") from None
+    model = model.float().eval()
+    digest = file_sha256(checkpoint)
+    gate = read_gate(checkpoint, digest)
+    if precision == "auto":
+        precision = "bf16" if bf16_supported() and gate and gate["passes"] else "fp32"
+    metadata = onnx_metadata(model, meta, digest)
+    metadata["rstcnn.precision"] = precision
+    if precision != "fp32" and gate is not None:
+        metadata["rstcnn.gate"] = json.dumps(gate)
+    lock = threading.Lock()  # one call at a time: the eval caches fill on the first
+
+    def logits(batch: np.ndarray, at: str) -> np.ndarray:
+        with lock, inference(at):
+            return model(torch.from_numpy(np.ascontiguousarray(batch))).float().numpy()
+
+    size = [meta.in_channels, meta.input_size, meta.input_size]
+    invariant = logits_keep_under_quarter_turns(lambda x: logits(x, "fp32"), size)
+    metadata[QUARTER_TURNS] = json.dumps(invariant)
+    return (lambda batch: logits(batch, precision)), metadata, [f"torch-{precision}"]
