@@ -2,7 +2,8 @@
 # Main job: installs what it needs (scripts/setup.sh), prepares the default data set
 # (RS-Fashion, realisation 0: what a float32 export made here is checked on; cached, so a second run
 # is quick), serves the shipped checkpoints in models/ side by side (from their committed,
-# checked int8 ONNX files, or from a float32 export made here) in the web app on
+# checked int8 ONNX files, or from a float32 export made here; the RST-CNN's checkpoint also
+# competes, run by eager torch, where the app measures it faster) in the web app on
 # http://127.0.0.1:7860 (Ctrl-C stops it). Extra arguments go to serve/app.py
 # (e.g. --port 8000).
 set -euo pipefail
@@ -28,5 +29,11 @@ for name in rst_cnn_fb cnn; do
     fi
     served+=(--model "models/$name.onnx")
 done
+
+# The RST-CNN's checkpoint competes too, run by eager torch (serve.eager): in bfloat16 where
+# this CPU has it and its recorded accuracy check (models/rst_cnn_fb.bf16-gate.json, made by
+# train/precision_check.py --record) passes, float32 otherwise. The app measures each copy at
+# one image and at a sweep's batch and serves the fastest for each (serve.variants).
+served+=(--model models/rst_cnn_fb.pt)
 
 exec .venv/bin/python serve/app.py "${served[@]}" "$@"

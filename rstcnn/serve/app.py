@@ -21,6 +21,10 @@ import os
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"  # before gradio is imported
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("MPLBACKEND", "Agg")
+# torch's OpenMP threads (a checkpoint served by eager torch, serve.eager) sleep when idle
+# instead of spinning: spinning took the cores from onnxruntime's requests beside a sweep
+# (soak p50 1.5 s against 0.35 s, BENCHMARKS.md). Read when torch is first imported.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import contextlib
@@ -788,4 +792,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from rstcnn.train.runtime import use_retaining_allocator  # standard library only
+
+    # glibc's huge-page tunable (RSTCNN_ALLOCATOR; re-exec once): a sweep 1.2-1.4x faster
+    # (BENCHMARKS.md, "Issue 13, fifth pass"); the server still hands large blocks back
+    use_retaining_allocator()
     main()

@@ -6,17 +6,23 @@ when its ``rstcnn.gate`` metadata, written by ``export/to_onnx.py --precision P 
 says it kept its accuracy on N real test images within the gate (0.5 points of float32). A
 reduced-precision file without a passing gate is left out, with a log line saying why.
 
-Files of the same checkpoint (the same ``rstcnn.checkpoint_sha256``) compete: each runs the
-batch a stability request sends it (all sweep steps at once), once to warm up and then
-``repeats`` times, and the one with the smallest median time is served. Files of different
-checkpoints are all served, in the order given. With one file per checkpoint nothing is timed.
+Files of the same checkpoint (the same ``rstcnn.checkpoint_sha256``) compete: each runs one
+image (a classification) and the batch a stability request sends it (all sweep steps at
+once), once to warm up and then ``repeats`` times each. The one with the smallest median
+time at the sweep's batch is served; when another is faster at one image, the two are served
+together (``routed``): calls of up to ``sqrt(batch)`` images go to the one-image winner, larger
+ones to the sweep's. (The eager bfloat16 engine, ``serve.eager``, wins sweeps on this CPU and
+loses single images to onnxruntime, BENCHMARKS.md.) Files of different checkpoints are all
+served, in the order given. With one file per checkpoint nothing is timed.
 
     python serve/app.py --model m.onnx --model m.int8.onnx --model m.fp16.onnx
 """
 
 from __future__ import annotations
 
+import copy
 import logging
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -24,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["servable", "fastest_variants"]
+__all__ = ["servable", "fastest_variants", "routed"]
 
 log = logging.getLogger("serve.variants")
 
@@ -92,17 +98,37 @@ def fastest_variants(
             kept.append(allowed[0])
             continue
         times = {id(clf): _seconds(clf, batch, repeats) for clf in allowed}
+        ones = {id(clf): _seconds(clf, 1, repeats) for clf in allowed}
         best = min(allowed, key=lambda c: times[id(c)])
+        best_one = min(allowed, key=lambda c: ones[id(c)])
         for clf in allowed:
             verdict = "served" if clf is best else "slower"
+            if clf is best_one and best_one is not best:
+                verdict = f"served for up to {_small(batch)} images"
             lines.append(
                 f"{_label(clf)}: {servable(clf)[1]}, {times[id(clf)] * 1e3:.1f} ms per batch of "
-                f"{batch}, {verdict}"
+                f"{batch}, {ones[id(clf)] * 1e3:.1f} ms per image alone, {verdict}"
             )
-        kept.append(best)
+        kept.append(best if best_one is best else routed(best_one, best, _small(batch)))
     for line in lines:
         log.info("%s", line)
     return kept, lines
+
+
+def _small(batch: int) -> int:
+    return max(1, math.isqrt(batch))
+
+
+def routed(small: Any, large: Any, up_to: int) -> Any:
+    """One classifier that runs calls of up to ``up_to`` images with ``small`` and larger
+    ones with ``large`` (two files of one checkpoint). It is a copy of ``large`` (its
+    metadata, preprocessing and chunking) with the dispatch as its backend."""
+    both = copy.copy(large)
+    run_small, run_large = small._run, large._run
+    both._run = lambda batch: (run_small if len(batch) <= up_to else run_large)(batch)
+    both.providers = list(dict.fromkeys([*large.providers, *small.providers]))
+    both.source = f"{large.source} (batches over {up_to}), {small.source} (up to {up_to})"
+    return both
 
 
 def _label(clf: Any) -> str:
