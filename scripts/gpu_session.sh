@@ -15,11 +15,12 @@
 #    SHARDS side by side, each shard one process with its own --deadline (a run cut off keeps
 #    last.pt and resumes next time from its resume-<run>.tgz), plus tests/test_cuda.py.
 #    Finished runs land in the committed record RESULTS (results/reproduce/rs-fashion-full).
-#    Beside them, on the machine's CPU cores: export/split_check.py, the file the app serves
-#    (SPLIT_SERVED) against its float32 checkpoint (SPLIT_CHECKPOINT, eager on the GPU) on the
-#    whole test split, resumable: it goes on from results/shipped/split-check-NAME.state.npz
-#    (commit the state that comes back in split-check.tgz there, or carry it in
-#    RESUME/split-check).
+#    Beside them, on the machine's CPU cores: export/split_check.py, each copy the app serves
+#    (SPLIT_SERVED: the int8 file for single images, the checkpoint by eager torch for sweeps)
+#    against its float32 checkpoint (SPLIT_CHECKPOINT, eager on the GPU) on the whole test
+#    split, one after the other, resumable: each goes on from
+#    results/shipped/split-check-NAME.state.npz (commit the states that come back in
+#    split-check.tgz there, or carry them in RESUME/split-check).
 # 4. train/k_sweep.py --report: the basis-size sweep's table and plot (accuracy against eval
 #    time on this card) from the record; its runs are shards like any other, e.g.
 #    SHARDS="rst_cnn_fb_k6,rst_cnn_fb_k9@3 rst_cnn_fb_k17,rst_cnn_fb_ref@3".
@@ -45,7 +46,7 @@ FASTPATH_ARGS="${FASTPATH_ARGS---profile --compile --align-probe}"
 FASTPATH_TIMEOUT="${FASTPATH_TIMEOUT:-180}"
 K_SWEEP_MODELS="${K_SWEEP_MODELS-rst_cnn_fb_k6 rst_cnn_fb_k9 rst_cnn_fb rst_cnn_fb_k17 rst_cnn_fb_ref}"
 SPLIT_CHECKPOINT="${SPLIT_CHECKPOINT-models/rst_cnn_fb.pt}"  # empty: no split check
-SPLIT_SERVED="${SPLIT_SERVED:-models/rst_cnn_fb.int8.onnx}"
+SPLIT_SERVED="${SPLIT_SERVED:-models/rst_cnn_fb.int8.onnx models/rst_cnn_fb.pt}"  # in turn
 SPLIT_THREADS="${SPLIT_THREADS:-6}"
 SPLIT_LIMIT="${SPLIT_LIMIT:-}"       # only the last N test images (empty: the whole split)
 # the protocol's precision, fixed (not taken from this call's fastest setting): a resumed run
@@ -126,14 +127,23 @@ done
 if [[ -n "$SPLIT_CHECKPOINT" ]]; then
     # goes on from the committed state (results/shipped), or a newer one carried in RESUME
     mkdir -p "$WORK/split-check"
-    split_name="split-check-$(basename "$SPLIT_SERVED" .onnx)"
-    for state in "results/shipped/$split_name.state.npz" "$RESUME/split-check/$split_name.state.npz"; do
-        [[ -f "$state" ]] && cp "$state" "$WORK/split-check/"
-    done
-    timeout $((DEADLINE - SECONDS > 30 ? DEADLINE - SECONDS : 30)) "$PY" -m rstcnn.export.split_check \
-        "$SPLIT_CHECKPOINT" "$SPLIT_SERVED" --device "$DEVICE" --threads "$SPLIT_THREADS" \
-        ${SPLIT_LIMIT:+--limit "$SPLIT_LIMIT"} --out "$WORK/split-check/$split_name.json" \
-        --no-progress >"$WORK/logs/split-check.log" 2>&1 &
+    split_until=$((SECONDS + (DEADLINE - SECONDS > 30 ? DEADLINE - SECONDS : 30)))
+    (
+        for served in $SPLIT_SERVED; do
+            split_name="split-check-$(basename "$served" .onnx)"
+            split_name="${split_name%.pt}"
+            [[ "$served" == *.pt ]] && split_name="$split_name.eager"
+            for state in "results/shipped/$split_name.state.npz" "$RESUME/split-check/$split_name.state.npz"; do
+                [[ -f "$state" ]] && cp "$state" "$WORK/split-check/"
+            done
+            left=$((split_until - SECONDS))
+            ((left > 10)) || break
+            timeout "$left" "$PY" -m rstcnn.export.split_check \
+                "$SPLIT_CHECKPOINT" "$served" --device "$DEVICE" --threads "$SPLIT_THREADS" \
+                ${SPLIT_LIMIT:+--limit "$SPLIT_LIMIT"} --out "$WORK/split-check/$split_name.json" \
+                --no-progress
+        done
+    ) >"$WORK/logs/split-check.log" 2>&1 &
 fi
 if [[ "$DEVICE" == cuda ]]; then
     timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py >"$WORK/logs/test_cuda.log" 2>&1 &
@@ -155,7 +165,7 @@ wait
 log "finished runs in the record: $(ls "$RESULTS"/runs 2>/dev/null | tr '\n' ' ')"
 log "unfinished: $(cd "$WORK/reproduce" && for d in */*/*/; do [[ -f $d/summary.json ]] || echo -n "$d "; done)"
 log "test_cuda: $(tail -1 "$WORK/logs/test_cuda.log" 2>/dev/null)"
-log "split check: $(tail -1 "$WORK/logs/split-check.log" 2>/dev/null)"
+log "split check: $(grep -E '^[0-9]+ of [0-9]+ images' "$WORK/logs/split-check.log" 2>/dev/null | tr '\n' ' ')"
 if [[ -n "$K_SWEEP_MODELS" ]]; then
     # shellcheck disable=SC2086
     timeout 180 "$PY" train/k_sweep.py --report --budget "$REPRO_BUDGET" --models $K_SWEEP_MODELS \
