@@ -791,10 +791,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     uvicorn.Server(server_config(app, host=args.host, port=args.port, log_level="warning")).run()
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The ``rstcnn-serve`` command (and ``python serve/app.py``)."""
     from rstcnn.train.runtime import use_retaining_allocator  # standard library only
 
     # glibc's huge-page tunable (RSTCNN_ALLOCATOR; re-exec once): a sweep 1.2-1.4x faster
     # (BENCHMARKS.md, "Issue 13, fifth pass"); the server still hands large blocks back
     use_retaining_allocator()
     main()
+
+
+if __name__ == "__main__":
+    cli()
