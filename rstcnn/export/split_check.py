@@ -122,17 +122,16 @@ def check_split(
     model, meta = load_checkpoint(checkpoint, map_location=device)
     model = model.float().to(device).eval()
     images, labels = data_sample(meta, limit, labels=True)
-    if served_file.suffix == ".pt":  # a checkpoint served by eager torch (serve.eager)
-        served = Classifier.from_checkpoint(served_file, threads=threads)
-    else:
-        served = Classifier.from_onnx(served_file, threads=threads)
+    eager = served_file.suffix == ".pt"  # a checkpoint served by eager torch (serve.eager)
+    load = Classifier.from_checkpoint if eager else Classifier.from_onnx
+    served = load(served_file, threads=threads)
     what = {
         "checkpoint": file_sha256(checkpoint),
         "served": file_sha256(served_file),
         "images": len(images),
         "first_label_digest": int(np.asarray(labels, np.int64).sum()),
     }
-    if served_file.suffix == ".pt":  # one file, several precisions
+    if eager:  # one file, several precisions
         what["precision"] = str(served.metadata.get("rstcnn.precision", "fp32"))
     key = json.dumps(what)
     state = SplitState(state_path, key, np.asarray(labels))
