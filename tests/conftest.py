@@ -27,6 +27,21 @@ settings.load_profile("rst")
 SEED = 0
 
 
+@pytest.fixture(scope="session", autouse=True)
+def no_reexec_of_the_test_process():
+    """A CLI's ``main`` called in-process must not re-exec: that would replace pytest with a
+    hidden second run whose output lands in a capture file (``use_retaining_allocator``
+    belongs in the ``__main__`` block or the console entry, not in ``main``)."""
+    from rstcnn.train import runtime
+
+    def refuse(env):
+        raise AssertionError("use_retaining_allocator() re-exec'd the test process")
+
+    saved, runtime._reexec = runtime._reexec, refuse
+    yield
+    runtime._reexec = saved
+
+
 @pytest.fixture(autouse=True)
 def seed() -> int:
     """Every test starts from the same torch state."""

@@ -130,7 +130,6 @@ def _measure_in(tree: Path, name: str, args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    use_retaining_allocator()
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="+", default=["cnn", "rst_cnn_fb", "rst_cnn_fb_ref"])
     parser.add_argument("--batch", type=int, default=128)
@@ -192,4 +191,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    use_retaining_allocator()  # RSTCNN_ALLOCATOR (default: huge pages): re-exec once
     main()

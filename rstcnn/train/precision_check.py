@@ -87,7 +87,6 @@ def check(
 
 
 def main(argv: list[str] | None = None) -> int:
-    use_retaining_allocator()
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -149,4 +148,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    use_retaining_allocator()  # RSTCNN_ALLOCATOR (default: huge pages): re-exec once
     sys.exit(main())
