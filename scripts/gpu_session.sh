@@ -19,8 +19,9 @@
 #    (SPLIT_SERVED: the int8 file for single images, the checkpoint by eager torch for sweeps)
 #    against its float32 checkpoint (SPLIT_CHECKPOINT, eager on the GPU) on the whole test
 #    split, one after the other, resumable: each goes on from
-#    results/shipped/split-check-NAME.state.npz (commit the states that come back in
-#    split-check.tgz there, or carry them in RESUME/split-check).
+#    results/shipped/split-check-NAME.state.npz and the float32 logits both share,
+#    eager-logits-CHECKPOINT.npz (commit the files that come back in split-check.tgz
+#    there, or carry them in RESUME/split-check).
 # 4. train/k_sweep.py --report: the basis-size sweep's table and plot (accuracy against eval
 #    time on this card) from the record; its runs are shards like any other, e.g.
 #    SHARDS="rst_cnn_fb_k6,rst_cnn_fb_k9@3 rst_cnn_fb_k17,rst_cnn_fb_ref@3".
@@ -133,8 +134,11 @@ if [[ -n "$SPLIT_CHECKPOINT" ]]; then
             split_name="split-check-$(basename "$served" .onnx)"
             split_name="${split_name%.pt}"
             [[ "$served" == *.pt ]] && split_name="$split_name.eager"
-            for state in "results/shipped/$split_name.state.npz" "$RESUME/split-check/$split_name.state.npz"; do
-                [[ -f "$state" ]] && cp "$state" "$WORK/split-check/"
+            reference="eager-logits-$(basename "$SPLIT_CHECKPOINT" .pt).npz"  # shared by both
+            for state in "results/shipped/$split_name.state.npz" "$RESUME/split-check/$split_name.state.npz" \
+                "results/shipped/$reference" "$RESUME/split-check/$reference"; do
+                [[ -f "$state" && ! "$WORK/split-check/$(basename "$state")" -nt "$state" ]] &&
+                    cp "$state" "$WORK/split-check/"
             done
             left=$((split_until - SECONDS))
             ((left > 10)) || break

@@ -681,10 +681,31 @@ def test_split_check_compares_the_served_file_with_eager_and_resumes(
     assert split_check.main([*argv[:-1], "2", "--limit", "12"]) == 0
     assert seen == [2, 1] and json.loads(out.read_text())["images"] == 12
 
-    # other images: the saved state is not reused
+    # a second served copy of the checkpoint (the eager engine, a .pt) reads the float32
+    # logits the first check left beside it: the eager reference runs on no image again
+    reference = tmp_path / f"eager-logits-{checkpoint.stem}.npz"
+    assert reference.is_file()
+    recorded = []
+    monkeypatch.setattr(
+        split_check.EagerLogits, "record", lambda self, index, logits: recorded.append(index)
+    )
+    other = tmp_path / "eager-copy.json"
+    eager_argv = [str(checkpoint), str(checkpoint), "--out", str(other), "--no-progress"]
+    assert split_check.main([*eager_argv, "--limit", "12"]) == 0
+    assert recorded == [] and json.loads(other.read_text())["images"] == 12
+    monkeypatch.undo()
+    for key, value in data_cache(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(
+        Classifier, "run_logits", lambda self, b: seen.append(len(b)) or original(self, b)
+    )
+
+    # other images: neither the saved state nor the reference is reused
     seen.clear()
     assert split_check.main([*argv, "--limit", "7"]) == 0
     assert seen == [5, 2] and json.loads(out.read_text())["of"] == 7
+    with np.load(reference) as saved:
+        assert saved["logits"].shape[0] == 7 and not np.isnan(saved["logits"]).any()
 
 
 def test_split_check_names_what_is_missing(rst_export, tmp_path, monkeypatch, capsys):

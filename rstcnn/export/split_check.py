@@ -19,7 +19,11 @@ only a finished split can be).
 A whole split is hours of CPU for the RST-CNN, so the run is resumable: each chunk's
 predictions are written at once (atomically) to ``OUT.state.npz``, and a second call with the
 same files and images runs only the images not yet done (whatever its chunk size); other
-files or images start afresh. Exit 0 when the file is within the gate, 1 when not, 2 on bad input.
+files or images start afresh. The float32 eager logits, the dearer half of the work, are kept
+apart in ``--reference`` (default ``eager-logits-CHECKPOINT.npz`` beside ``--out``), so the
+check of a second served copy of the same checkpoint (the int8 file, then the bfloat16 engine)
+runs the eager model only on the images the first check has not reached.
+Exit 0 when the file is within the gate, 1 when not, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -33,7 +37,34 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["SplitState", "check_split", "main"]
+__all__ = ["EagerLogits", "SplitState", "check_split", "main"]
+
+
+class EagerLogits:
+    """The float32 eager model's logits on a split, shared by the checks of every served copy
+    of one checkpoint: rows of NaN where not yet run, saved atomically after every chunk.
+    ``key`` names the checkpoint and the images; logits of other inputs are never reused."""
+
+    def __init__(self, path: Path, key: str, count: int, classes: int):
+        self.path, self.key = path, key
+        self.logits = np.full((count, classes), np.nan, np.float32)
+        if path.is_file():
+            try:
+                with np.load(path) as saved:
+                    if str(saved["key"]) == key and saved["logits"].shape == self.logits.shape:
+                        self.logits = saved["logits"].astype(np.float32)
+            except (OSError, ValueError, KeyError) as err:
+                print(f"{path}: unreadable ({err}); starting afresh", file=sys.stderr)
+
+    def missing(self, index: np.ndarray) -> np.ndarray:
+        """Those of ``index`` not yet run."""
+        return index[np.isnan(self.logits[index]).any(1)]
+
+    def record(self, index: np.ndarray, logits: np.ndarray) -> None:
+        self.logits[index] = logits
+        tmp = self.path.with_name(f".{self.path.name}.tmp.npz")
+        np.savez(tmp, key=self.key, logits=self.logits)
+        tmp.replace(self.path)
 
 
 class SplitState:
@@ -109,9 +140,12 @@ def check_split(
     threads: int | None = None,
     progress: bool = True,
     summary_path: Path | None = None,
+    reference_path: Path | None = None,
 ) -> dict:
     """Run (or go on with) the check; returns ``SplitState.summary()`` plus what was run,
-    also written to ``summary_path`` (JSON) after every chunk when given."""
+    also written to ``summary_path`` (JSON) after every chunk when given. The eager logits
+    are read from and added to ``reference_path`` (default: ``eager-logits-CHECKPOINT.npz``
+    beside the state)."""
     import torch
     from tqdm import tqdm
 
@@ -135,6 +169,10 @@ def check_split(
         what["precision"] = str(served.metadata.get("rstcnn.precision", "fp32"))
     key = json.dumps(what)
     state = SplitState(state_path, key, np.asarray(labels))
+    reference_path = reference_path or state_path.with_name(f"eager-logits-{checkpoint.stem}.npz")
+    reference_key = {k: v for k, v in what.items() if k not in ("served", "precision")}
+    classes = len(served.class_names)
+    reference = EagerLogits(reference_path, json.dumps(reference_key), len(images), classes)
     mean = np.asarray(meta.mean, np.float32).reshape(1, -1, 1, 1)
     std = np.asarray(meta.std, np.float32).reshape(1, -1, 1, 1)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -159,15 +197,16 @@ def check_split(
         index = todo[first : first + chunk]
         batch = images[index].astype(np.float32) / 255
         served_logits = served.run_logits(served.normalize(batch))
-        x = torch.from_numpy((batch - mean) / std)
-        with torch.no_grad():  # in slices: the RST-CNN's eval peak grows with the batch
-            eager_logits = np.concatenate(
-                [
+        missing = reference.missing(index)
+        if len(missing):
+            x = torch.from_numpy((images[missing].astype(np.float32) / 255 - mean) / std)
+            with torch.no_grad():  # in slices: the RST-CNN's eval peak grows with the batch
+                logits = [
                     model(x[i : i + eager_batch].to(device)).float().cpu().numpy()
                     for i in range(0, len(x), eager_batch)
                 ]
-            )
-        state.record(index, served_logits, eager_logits)
+            reference.record(missing, np.concatenate(logits))
+        state.record(index, served_logits, reference.logits[index])
         bar.update(len(batch))
         if summary_path is not None:  # a call cut off leaves the summary of what it did
             write_json(summary_path, summarise())
@@ -196,6 +235,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="images per eager call (the full-width RST-CNN needs ~0.12 GiB per image)",
     )
     parser.add_argument("--threads", type=int, help="onnxruntime intra-op threads")
+    parser.add_argument(
+        "--reference",
+        type=Path,
+        help="float32 eager logits shared by the checks of one checkpoint "
+        "(default: eager-logits-CHECKPOINT.npz beside --out)",
+    )
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit < 1:
@@ -216,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             threads=args.threads,
             progress=not args.no_progress,
             summary_path=out,
+            reference_path=args.reference,
         )
     except (ValueError, FileNotFoundError, RuntimeError) as err:
         print(f"split_check: {err}", file=sys.stderr)
