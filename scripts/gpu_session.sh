@@ -135,10 +135,10 @@ if [[ -n "$SPLIT_CHECKPOINT" ]]; then
             split_name="${split_name%.pt}"
             [[ "$served" == *.pt ]] && split_name="$split_name.eager"
             reference="eager-logits-$(basename "$SPLIT_CHECKPOINT" .pt).npz"  # shared by both
-            for state in "results/shipped/$split_name.state.npz" "$RESUME/split-check/$split_name.state.npz" \
+            for saved in "results/shipped/$split_name.state.npz" "$RESUME/split-check/$split_name.state.npz" \
                 "results/shipped/$reference" "$RESUME/split-check/$reference"; do
-                [[ -f "$state" && ! "$WORK/split-check/$(basename "$state")" -nt "$state" ]] &&
-                    cp "$state" "$WORK/split-check/"
+                [[ -f "$saved" && ! "$WORK/split-check/$(basename "$saved")" -nt "$saved" ]] &&
+                    cp "$saved" "$WORK/split-check/"
             done
             left=$((split_until - SECONDS))
             ((left > 10)) || break

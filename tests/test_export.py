@@ -686,19 +686,14 @@ def test_split_check_compares_the_served_file_with_eager_and_resumes(
     reference = tmp_path / f"eager-logits-{checkpoint.stem}.npz"
     assert reference.is_file()
     recorded = []
-    monkeypatch.setattr(
-        split_check.EagerLogits, "record", lambda self, index, logits: recorded.append(index)
-    )
     other = tmp_path / "eager-copy.json"
     eager_argv = [str(checkpoint), str(checkpoint), "--out", str(other), "--no-progress"]
-    assert split_check.main([*eager_argv, "--limit", "12"]) == 0
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            split_check.EagerLogits, "record", lambda self, index, logits: recorded.append(index)
+        )
+        assert split_check.main([*eager_argv, "--limit", "12"]) == 0
     assert recorded == [] and json.loads(other.read_text())["images"] == 12
-    monkeypatch.undo()
-    for key, value in data_cache(tmp_path).items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setattr(
-        Classifier, "run_logits", lambda self, b: seen.append(len(b)) or original(self, b)
-    )
 
     # other images: neither the saved state nor the reference is reused
     seen.clear()

@@ -40,6 +40,27 @@ import numpy as np
 __all__ = ["EagerLogits", "SplitState", "check_split", "main"]
 
 
+def _load_saved(path: Path, key: str, first: str, count: int) -> dict | None:
+    """The arrays saved at ``path`` for ``key`` (``first`` holding ``count`` rows), or None
+    (no file, another key or size; an unreadable file is said so)."""
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path) as saved:
+            if str(saved["key"]) == key and len(saved[first]) == count:
+                return {name: saved[name] for name in saved.files}
+    except (OSError, ValueError, KeyError) as err:
+        print(f"{path}: unreadable ({err}); starting afresh", file=sys.stderr)
+    return None
+
+
+def _save(path: Path, **arrays: np.ndarray | str) -> None:
+    """``np.savez`` at ``path``, atomically."""
+    tmp = path.with_name(f".{path.name}.tmp.npz")
+    np.savez(tmp, **arrays)
+    tmp.replace(path)
+
+
 class EagerLogits:
     """The float32 eager model's logits on a split, shared by the checks of every served copy
     of one checkpoint: rows of NaN where not yet run, saved atomically after every chunk.
@@ -48,23 +69,17 @@ class EagerLogits:
     def __init__(self, path: Path, key: str, count: int, classes: int):
         self.path, self.key = path, key
         self.logits = np.full((count, classes), np.nan, np.float32)
-        if path.is_file():
-            try:
-                with np.load(path) as saved:
-                    if str(saved["key"]) == key and saved["logits"].shape == self.logits.shape:
-                        self.logits = saved["logits"].astype(np.float32)
-            except (OSError, ValueError, KeyError) as err:
-                print(f"{path}: unreadable ({err}); starting afresh", file=sys.stderr)
+        saved = _load_saved(path, key, "logits", count)
+        if saved is not None and saved["logits"].shape == self.logits.shape:
+            self.logits = saved["logits"].astype(np.float32)
 
     def missing(self, index: np.ndarray) -> np.ndarray:
-        """Those of ``index`` not yet run."""
-        return index[np.isnan(self.logits[index]).any(1)]
+        """Which of ``index`` have not been run (a mask over ``index``)."""
+        return np.isnan(self.logits[index]).any(1)
 
     def record(self, index: np.ndarray, logits: np.ndarray) -> None:
         self.logits[index] = logits
-        tmp = self.path.with_name(f".{self.path.name}.tmp.npz")
-        np.savez(tmp, key=self.key, logits=self.logits)
-        tmp.replace(self.path)
+        _save(self.path, key=self.key, logits=self.logits)
 
 
 class SplitState:
@@ -80,15 +95,9 @@ class SplitState:
         self.served = np.full(count, -1, np.int64)
         self.eager = np.full(count, -1, np.int64)
         self.diff = np.zeros(count, np.float32)
-        if path.is_file():
-            try:
-                with np.load(path) as saved:
-                    same = str(saved["key"]) == key and len(saved["served"]) == count
-                    if same:
-                        self.served, self.eager = saved["served"], saved["eager"]
-                        self.diff = saved["diff"]
-            except (OSError, ValueError, KeyError) as err:
-                print(f"{path}: unreadable ({err}); starting afresh", file=sys.stderr)
+        saved = _load_saved(path, key, "served", count)
+        if saved is not None:
+            self.served, self.eager, self.diff = saved["served"], saved["eager"], saved["diff"]
 
     @property
     def done(self) -> int:
@@ -103,9 +112,7 @@ class SplitState:
         self.served[index] = served.argmax(1)
         self.eager[index] = eager.argmax(1)
         self.diff[index] = np.abs(served - eager).max(1)
-        tmp = self.path.with_name(f".{self.path.name}.tmp.npz")
-        np.savez(tmp, key=self.key, served=self.served, eager=self.eager, diff=self.diff)
-        tmp.replace(self.path)
+        _save(self.path, key=self.key, served=self.served, eager=self.eager, diff=self.diff)
 
     def summary(self) -> dict:
         from rstcnn.export.precision import GATE_POINTS
@@ -198,14 +205,14 @@ def check_split(
         batch = images[index].astype(np.float32) / 255
         served_logits = served.run_logits(served.normalize(batch))
         missing = reference.missing(index)
-        if len(missing):
-            x = torch.from_numpy((images[missing].astype(np.float32) / 255 - mean) / std)
+        if missing.any():
+            x = torch.from_numpy((batch[missing] - mean) / std)
             with torch.no_grad():  # in slices: the RST-CNN's eval peak grows with the batch
                 logits = [
                     model(x[i : i + eager_batch].to(device)).float().cpu().numpy()
                     for i in range(0, len(x), eager_batch)
                 ]
-            reference.record(missing, np.concatenate(logits))
+            reference.record(index[missing], np.concatenate(logits))
         state.record(index, served_logits, reference.logits[index])
         bar.update(len(batch))
         if summary_path is not None:  # a call cut off leaves the summary of what it did
