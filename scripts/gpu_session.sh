@@ -40,11 +40,15 @@ DEADLINE="${DEADLINE:-540}"          # seconds from the start of this script
 REPRO_BUDGET="${REPRO_BUDGET:-full}"
 REPRO_SIZES="${REPRO_SIZES:-5000}"
 RESULTS="${RESULTS:-results/reproduce/rs-fashion-$REPRO_BUDGET}"
-# one process per shard: models (comma-separated) @ trials; cells finished in RESULTS are skipped
+# one process per shard: models (comma-separated) @ trials (N: trials 0..N-1; A-B: trials A..B,
+# so shards side by side train different trials of one model); cells in RESULTS are skipped
 SHARDS="${SHARDS:-rst_cnn_fb@2 scale_cnn@3 rot_cnn@3 sesn@3 rst_cnn_sl@1}"
 FASTPATH_SETTINGS="${FASTPATH_SETTINGS:-fp32;bf16}"  # train/fastpath.py's names, ';'-separated
 FASTPATH_ARGS="${FASTPATH_ARGS---profile --compile --align-probe}"
 FASTPATH_TIMEOUT="${FASTPATH_TIMEOUT:-180}"
+# a second fast-path run at these widths (e.g. "(72,136,208)", rst_cnn_fb's rounded up to 8):
+# the whole training step with aligned channels, beside align.md's per-layer probe
+FASTPATH_ALIGNED="${FASTPATH_ALIGNED:-}"
 K_SWEEP_MODELS="${K_SWEEP_MODELS-rst_cnn_fb_k6 rst_cnn_fb_k9 rst_cnn_fb rst_cnn_fb_k17 rst_cnn_fb_ref}"
 SPLIT_CHECKPOINT="${SPLIT_CHECKPOINT-models/rst_cnn_fb.pt}"  # empty: no split check
 SPLIT_SERVED="${SPLIT_SERVED:-models/rst_cnn_fb.int8.onnx models/rst_cnn_fb.pt}"  # in turn
@@ -72,7 +76,7 @@ log() { echo "[gpu +$((SECONDS))s] $*" | tee -a "$LOG"; }
 
 collect() {  # what has appeared so far -> $OUT (comes back even if the call is cut off)
     local run
-    (cd "$WORK" && tar czf "$OUT/fastpath.tmp" $(ls -d fastpath logs k-sweep 2>/dev/null)) \
+    (cd "$WORK" && tar czf "$OUT/fastpath.tmp" $(ls -d fastpath fastpath-aligned logs k-sweep 2>/dev/null)) \
         && mv -f "$OUT/fastpath.tmp" "$OUT/logs.tgz"
     tar czf "$OUT/record.tmp" "$RESULTS" && mv -f "$OUT/record.tmp" "$OUT/record.tgz"
     if [[ -d "$WORK/split-check" ]]; then
@@ -106,6 +110,14 @@ timeout "$FASTPATH_TIMEOUT" "$PY" train/fastpath.py --device "$DEVICE" --out "$W
     --settings "${settings[@]}" $FASTPATH_ARGS \
     >"$WORK/logs/fastpath.log" 2>&1 || log "fastpath exit $?"
 FLAGS=$(sed -n 's/^FLAGS: //p' "$WORK/logs/fastpath.log" | tail -1)
+if [[ -n "$FASTPATH_ALIGNED" ]]; then
+    aligned_args="${FASTPATH_ARGS//--profile/}" aligned_args="${aligned_args//--compile/}"
+    # shellcheck disable=SC2086
+    timeout "$FASTPATH_TIMEOUT" "$PY" train/fastpath.py --device "$DEVICE" \
+        --out "$WORK/fastpath-aligned" --settings "${settings[@]}" ${aligned_args//--align-probe/} \
+        --model-arg "channels=$FASTPATH_ALIGNED" >"$WORK/logs/fastpath-aligned.log" 2>&1 ||
+        log "fastpath (aligned widths) exit $?"
+fi
 log "fastest training setting: flags '${FLAGS}'; $(grep -m1 'device busy' "$WORK/fastpath/profile.md" 2>/dev/null)"
 wait
 log "data ready: $(ls "$RSTCNN_DATA"/rs-fashion/seed*/*.npz 2>/dev/null | wc -l) renderings"
@@ -116,13 +128,14 @@ collect
 repro_flags=($REPRO_FLAGS)
 pids=()
 for shard in $SHARDS; do
-    models="${shard%@*}"
+    models="${shard%@*}" trials="${shard#*@}" first=0
+    if [[ "$trials" == *-* ]]; then first="${trials%-*}" trials=$((${trials#*-} + 1)); fi
     # shellcheck disable=SC2086
     setsid "$PY" train/reproduce.py --data rs-fashion --budget "$REPRO_BUDGET" --models ${models//,/ } \
-        --trials "${shard#*@}" --train-sizes $REPRO_SIZES --augment no --device "$DEVICE" \
+        --trials "$trials" --first-trial "$first" --train-sizes $REPRO_SIZES --augment no --device "$DEVICE" \
         --data-root "$DATA_ROOT" "${repro_flags[@]}" --out "$WORK/reproduce" --results "$RESULTS" \
         --deadline $((DEADLINE - SECONDS > 30 ? DEADLINE - SECONDS : 30)) \
-        >"$WORK/logs/reproduce-${models//,/-}.log" 2>&1 &
+        >"$WORK/logs/reproduce-${models//,/-}-${shard#*@}.log" 2>&1 &
     pids+=($!)
 done
 if [[ -n "$SPLIT_CHECKPOINT" ]]; then

@@ -304,6 +304,12 @@ def test_reproduce_plan_order_and_committed_results(tmp_path, idx_source, monkey
     names = [s.name for s in specs]
     assert names[:4] == ["cnn-5000-t0", "rst_cnn_fb-5000-t0", "cnn-5000-t1", "rst_cnn_fb-5000-t1"]
     assert names[4] == "cnn-2000-t0" and names[-1] == "rst_cnn_fb-2000-aug-t1"
+    # a shard of the trials: only trials 1 and 2, so that processes side by side share a model
+    shard = reproduce.plan(full, ["cnn"], [False], 3, [5000], first_trial=1)
+    assert [s.name for s in shard] == ["cnn-5000-t1", "cnn-5000-t2"]
+    for bad in (["--trials", "2", "--first-trial", "2"], ["--first-trial", "-1"]):
+        with pytest.raises(SystemExit):
+            reproduce.parse_args(["--data", "rs-fashion", "--budget", "full", *bad])
     args = reproduce.parse_args(["--data", "rs-fashion", "--budget", "full"])
     assert args.results == Path("results/reproduce/rs-fashion-full")
     with pytest.raises(SystemExit):

@@ -218,7 +218,9 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
         "RESULTS": str(record),
         "RESUME": str(tmp_path / "nothing-to-resume"),
         "REPRO_FLAGS": "",  # float32 on the CPU (the GPU default is --bf16)
-        "SHARDS": "rst_cnn_fb@1 cnn,scale_cnn@2",
+        # trials 0 and 1 of cnn and scale_cnn in two processes side by side
+        "SHARDS": "rst_cnn_fb@1 cnn,scale_cnn@0-0 cnn,scale_cnn@1-1",
+        "FASTPATH_ALIGNED": "(8,8,8)",  # the whole step again at other widths
         "FASTPATH_ARGS": "--steps 1 --batch 8 --profile --align-probe --model-arg channels=(4,6,8)",
         "DATA_ROOT": str(source["root"]),
         "WORK": str(work),
@@ -264,6 +266,10 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
         log = tar.extractfile("logs/session.log").read().decode()
         sweep = json.load(tar.extractfile("k-sweep/sweep.json"))
         assert "logs/fastpath.log" in tar.getnames()
+        aligned = json.load(tar.extractfile("fastpath-aligned/fastpath.json"))
+        assert {row["model"] for row in aligned} == {"cnn", "rst_cnn_fb"}
+        head = tar.extractfile("fastpath-aligned/fastpath.md").read().decode().splitlines()[0]
+        assert head.endswith("rst_cnn_fb channels=(8, 8, 8)")  # the later --model-arg wins
         assert "| blocks.1.0 | (4, 6) |" in tar.extractfile("fastpath/align.md").read().decode()
     assert [(r["model"], r["trials"]) for r in sweep["rows"]] == [("rst_cnn_fb", 1)]
     assert "k sweep: Verdict: no verdict yet" in log
@@ -295,7 +301,7 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
         SPLIT_CHECKPOINT="",  # off
         FASTPATH_ARGS=settings["FASTPATH_ARGS"].replace(" --profile", ""),
     )
-    assert "resuming" in (work / "logs" / "reproduce-rst_cnn_fb.log").read_text().lower()
+    assert "resuming" in (work / "logs" / "reproduce-rst_cnn_fb-1.log").read_text().lower()
     summary = json.loads((record / "runs" / "rst_cnn_fb-64-t0" / "summary.json").read_text())
     assert summary["epochs"] == 1 and summary["train_images"] == 64
     assert sorted(p.name for p in out.glob("resume-*.tgz")) == ["resume-scale_cnn-64-t1.tgz"]

@@ -422,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     def write(rows: list[dict]) -> dict:
         """Print and save the table so far (a later stage may be cut off by a timeout)."""
         best = fastest_training(rows, args.model)
-        text = f"{device}, torch {torch.__version__}, batch {args.batch}\n\n"
+        text = f"{device}, torch {torch.__version__}, batch {args.batch}"
+        text += "".join(f", {args.model} {k}={v!r}" for k, v in args.model_args.items()) + "\n\n"
         text += table(rows, args.model)
         text += (
             f"\nfastest training setting: {best['setting']} ({best['train_s']:.4f} s per step)\n"

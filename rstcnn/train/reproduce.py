@@ -95,17 +95,20 @@ def plan(
     augment: list[bool],
     trials: int,
     train_sizes: list[int] | None = None,
+    first_trial: int = 0,
 ) -> list[RunSpec]:
     """Every run, in the order they are made: without augmentation first, the larger N_tr
     first, then trial by trial, the models in ``MODELS`` order; so a call cut off by its
-    deadline has filled the most-wanted cells, and the next call goes on from there."""
+    deadline has filled the most-wanted cells, and the next call goes on from there. Trials
+    ``first_trial`` .. ``trials - 1``: a shard of the trials, so that processes side by side
+    train different trials of one model."""
     sizes = sorted(train_sizes or budget.train_sizes, reverse=True)
     ranked = sorted(models, key=ALL_MODELS.index)
     return [
         RunSpec(m, n, a, t)
         for a in sorted(augment)
         for n in sizes
-        for t in range(trials)
+        for t in range(first_trial, trials)
         for m in ranked
     ]
 
@@ -463,6 +466,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--trials", type=int, default=None, help="trials (budget default)")
     parser.add_argument(
+        "--first-trial",
+        type=int,
+        default=0,
+        help="train only trials FIRST_TRIAL .. TRIALS-1 (processes side by side then train "
+        "different trials of one model)",
+    )
+    parser.add_argument(
         "--train-sizes", nargs="+", type=int, default=None, help="N_tr values (budget default)"
     )
     parser.add_argument(
@@ -500,6 +510,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.trials = args.trials or BUDGETS[args.budget].trials
     if args.jobs < 1 or args.trials < 1:
         parser.error("--jobs and --trials must be positive")
+    if not 0 <= args.first_trial < args.trials:
+        parser.error(f"--first-trial must be in 0 .. {args.trials - 1} (--trials {args.trials})")
     if args.threads is None:
         args.threads = 1 if args.jobs > 1 else None
     args.augment = {"both": [False, True], "no": [False], "yes": [True]}[args.augment]
@@ -531,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         return 0
     opts = run_options(args, root)
-    specs = plan(budget, args.models, args.augment, args.trials, args.train_sizes)
+    specs = plan(budget, args.models, args.augment, args.trials, args.train_sizes, args.first_trial)
     if args.report:
         done = (finished(root, spec, args.results) for spec in specs)
         summaries = [summary for summary in done if summary is not None]
