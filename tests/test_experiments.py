@@ -325,6 +325,8 @@ def test_reproduce_plan_order_and_committed_results(tmp_path, idx_source, monkey
     assert (kept / "runs" / "cnn-64-t0" / "summary.json").is_file()
     assert (kept / "runs" / "cnn-64-t0" / "metrics.jsonl").is_file()
     assert "| cnn | rs-fashion | 64 |" in (kept / "table.md").read_text()
+    protocol = (kept / "protocol.md").read_text()  # the record's, not one call's
+    assert "Runs made by several calls" in protocol and "parameters: cnn " in protocol
     elsewhere = tmp_path / "elsewhere"
     assert reproduce.main([*argv, "--out", str(elsewhere)]) == 0
     assert not (elsewhere / "rs-fashion" / "smoke" / "cnn-64-t0").exists()  # not trained again

@@ -355,9 +355,16 @@ def plot(rows: list[dict[str, Any]], data: str, budget_name: str, path: Path) ->
     pyplot.close(fig)
 
 
-def protocol_text(args: argparse.Namespace, budget: Budget, argv: list[str] | None = None) -> str:
+def protocol_text(
+    args: argparse.Namespace,
+    budget: Budget,
+    argv: list[str] | None = None,
+    models: list[str] | None = None,
+) -> str:
+    """The protocol of this call's runs, or (``models``: every model in the committed record)
+    of a record that several calls, shards side by side, filled."""
     params = {}
-    for m in args.models:
+    for m in models or args.models:
         overrides = {"input_size": budget.image_size}
         if budget.widths is not None:
             overrides["channels"] = budget.widths[m]
@@ -367,7 +374,8 @@ def protocol_text(args: argparse.Namespace, budget: Budget, argv: list[str] | No
     lines = [
         f"# {args.data}, budget `{args.budget}`",
         "",
-        f"Command: `{shlex.join(['python', 'train/reproduce.py', *(argv or sys.argv[1:])])}`",
+        ("Runs made by several calls (shards), the last: " if models else "Command: ")
+        + f"`{shlex.join(['python', 'train/reproduce.py', *(argv or sys.argv[1:])])}`",
         "",
         "Each run's own command, device, precision and times are in its summary.json"
         + (" (`runs/`)." if args.results else "."),
@@ -378,7 +386,11 @@ def protocol_text(args: argparse.Namespace, budget: Budget, argv: list[str] | No
         f"batch {budget.batch_size}",
         f"- validation {budget.val_size} images (best epoch), test "
         + ("all remaining" if budget.test_size is None else f"{budget.test_size}")
-        + f" images; trials {args.trials}; augmentation {args.augment}",
+        + (
+            " images; trials and augmentation per cell in table.md"
+            if models
+            else f" images; trials {args.trials}; augmentation {args.augment}"
+        ),
         "- parameters: " + ", ".join(f"{m} {n:,}" for m, n in params.items()),
     ]
     return "\n".join(lines) + "\n"
@@ -577,8 +589,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.results and not args.report:
         for spec in specs:  # runs finished in --out by an earlier call, too
             keep(root, args.results, spec.name)
+        recorded = {s["model"] for s in summaries}
+        models = [m for m in ALL_MODELS if m in recorded]
         (args.results / "protocol.md").write_text(
-            protocol_text(args, budget, argv), encoding="utf-8"
+            protocol_text(args, budget, argv, models), encoding="utf-8"
         )
     print(table, end="")
     return 0 if args.report or complete else 1
