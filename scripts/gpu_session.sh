@@ -7,10 +7,11 @@
 #
 # 1. data: RS-Fashion realisations 0..2 (the protocol's trials 0..2), one process each;
 # 2. train/fastpath.py, alone on the GPU: the training step and evaluation of rst_cnn_fb and
-#    the CNN in FASTPATH_SETTINGS, a torch.profiler profile of the fastest training step
-#    (profile.md: device busy fraction, launches, the kernels that take the time), each RST
-#    conv alone at its widths and at widths rounded up to 8 (align.md: does aligning pay?) and
-#    torch.compile of that step (for the record: the runs below train with REPRO_FLAGS);
+#    the CNN in FASTPATH_SETTINGS; with FASTPATH_ARGS "--profile --compile --align-probe" also
+#    a torch.profiler profile of the fastest training step (profile.md: device busy fraction,
+#    launches, the kernels that take the time), each RST conv alone at its widths and at
+#    widths rounded up to 8 (align.md: does aligning pay?) and torch.compile of that step;
+#    FASTPATH_ALIGNED: the grid again at other widths (the runs below train with REPRO_FLAGS);
 # 3. the paper's protocol (train/reproduce.py --budget REPRO_BUDGET, N_tr REPRO_SIZES) as
 #    SHARDS side by side, each shard one process with its own --deadline (a run cut off keeps
 #    last.pt and resumes next time from its resume-<run>.tgz), plus tests/test_cuda.py.
@@ -42,10 +43,13 @@ REPRO_SIZES="${REPRO_SIZES:-5000}"
 RESULTS="${RESULTS:-results/reproduce/rs-fashion-$REPRO_BUDGET}"
 # one process per shard: models (comma-separated) @ trials (N: trials 0..N-1; A-B: trials A..B,
 # so shards side by side train different trials of one model); cells in RESULTS are skipped
-SHARDS="${SHARDS:-rst_cnn_fb@2 scale_cnn@3 rot_cnn@3 sesn@3 rst_cnn_sl@1}"
-FASTPATH_SETTINGS="${FASTPATH_SETTINGS:-fp32;bf16}"  # train/fastpath.py's names, ';'-separated
-FASTPATH_ARGS="${FASTPATH_ARGS---profile --compile --align-probe}"
-FASTPATH_TIMEOUT="${FASTPATH_TIMEOUT:-180}"
+# (default: the runs carried in .gpu_resume first, one process per trial, then rst_cnn_fb's
+# next trials; three windows have measured the fast path, so by default it only times bf16)
+SHARDS="${SHARDS:-rot_cnn@0-0 rot_cnn@1-1 rot_cnn@2-2 sesn@0-0 sesn@1-1 sesn@2-2 rst_cnn_fb@1-1 rst_cnn_fb@2-2}"
+FASTPATH_SETTINGS="${FASTPATH_SETTINGS:-bf16}"  # train/fastpath.py's names, ';'-separated
+# e.g. "--profile --compile --align-probe" (the compile alone can take minutes)
+FASTPATH_ARGS="${FASTPATH_ARGS-}"
+FASTPATH_TIMEOUT="${FASTPATH_TIMEOUT:-90}"
 # a second fast-path run at these widths (e.g. "(72,136,208)", rst_cnn_fb's rounded up to 8):
 # the whole training step with aligned channels, beside align.md's per-layer probe
 FASTPATH_ALIGNED="${FASTPATH_ALIGNED:-}"
