@@ -27,8 +27,8 @@
 #    time on this card) from the record; its runs are shards like any other, e.g.
 #    SHARDS="rst_cnn_fb_k6,rst_cnn_fb_k9@3 rst_cnn_fb_k17,rst_cnn_fb_ref@3".
 # Comes back in $OUT: logs.tgz (logs/; fastpath/: fastpath.md, fastpath.json, profile.md,
-# align.md; k-sweep/: sweep.md, sweep.json, accuracy-vs-time.png), record.tgz (RESULTS: each
-# finished run's summary and metrics, kept as each run finishes), split-check.tgz, and
+# align.md, step-cost.md; k-sweep/: sweep.md, sweep.json, accuracy-vs-time.png), record.tgz
+# (RESULTS: each finished run's summary and metrics, kept as each run finishes), split-check.tgz, and
 # resume-<run>.tgz (each unfinished run's folder: unpack all into .gpu_resume/ and carry it
 # into the next call, RESUME).
 #
@@ -53,6 +53,9 @@ FASTPATH_TIMEOUT="${FASTPATH_TIMEOUT:-90}"
 # a second fast-path run at these widths (e.g. "(72,136,208)", rst_cnn_fb's rounded up to 8):
 # the whole training step with aligned channels, beside align.md's per-layer probe
 FASTPATH_ALIGNED="${FASTPATH_ALIGNED:-}"
+# train/step_cost.py: FLOPs and bytes moved by one bf16 training step, counted on this device,
+# and the floor they set at the card's peaks (empty: skip)
+STEP_COST_ARGS="${STEP_COST_ARGS---batch 128 --bf16}"
 K_SWEEP_MODELS="${K_SWEEP_MODELS-rst_cnn_fb_k6 rst_cnn_fb_k9 rst_cnn_fb rst_cnn_fb_k17 rst_cnn_fb_ref}"
 SPLIT_CHECKPOINT="${SPLIT_CHECKPOINT-models/rst_cnn_fb.pt}"  # empty: no split check
 SPLIT_SERVED="${SPLIT_SERVED:-models/rst_cnn_fb.int8.onnx models/rst_cnn_fb.pt}"  # in turn
@@ -114,6 +117,17 @@ timeout "$FASTPATH_TIMEOUT" "$PY" train/fastpath.py --device "$DEVICE" --out "$W
     --settings "${settings[@]}" $FASTPATH_ARGS \
     >"$WORK/logs/fastpath.log" 2>&1 || log "fastpath exit $?"
 FLAGS=$(sed -n 's/^FLAGS: //p' "$WORK/logs/fastpath.log" | tail -1)
+if [[ -n "$STEP_COST_ARGS" ]]; then
+    # FLOPs and bytes of one training step as this device runs it, beside the step's time
+    measured=$("$PY" -c '
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1])) if r["model"] != "cnn" and r["setting"] == "bf16"]
+print("%.2f" % (rows[0]["train_s"] * 1e3) if rows else "")' "$WORK/fastpath/fastpath.json" 2>/dev/null)
+    # shellcheck disable=SC2086
+    timeout "$FASTPATH_TIMEOUT" "$PY" train/step_cost.py --device "$DEVICE" $STEP_COST_ARGS \
+        ${measured:+--measured-ms "$measured"} --out "$WORK/fastpath/step-cost.md" \
+        >"$WORK/logs/step-cost.log" 2>&1 || log "step_cost exit $?"
+fi
 if [[ -n "$FASTPATH_ALIGNED" ]]; then
     aligned_args="${FASTPATH_ARGS//--profile/}" aligned_args="${aligned_args//--compile/}"
     # shellcheck disable=SC2086

@@ -83,3 +83,21 @@ def test_tuned_method_and_bf16_autocast_on_cuda(device):
         with torch.autocast("cuda", dtype=torch.bfloat16):
             half = auto(x).float()
     assert ((half - ref).norm() / ref.norm()).item() < 0.05
+
+
+def test_step_cost_counts_the_backward_on_cuda(device):
+    """train/step_cost.py on CUDA, where autograd runs the backward on its own device
+    thread: the dispatch mode must still see it (a step costs 2-3 forwards in FLOPs)."""
+    from rstcnn.train import step_cost
+    from rstcnn.train.fastpath import Setting, train_step
+
+    tiny = {"channels": (4, 6, 8), "hidden": 16}
+    model = rstmodel.create_model("rst_cnn_fb", **tiny).to(device)
+    x = torch.randn(2, 1, 56, 56, device=device)
+    forward = sum(c.flops for c in step_cost.count(lambda: model(x)).costs.values())
+    step = train_step("rst_cnn_fb", Setting("bf16", "bf16"), tiny, device, 2)
+    step()
+    tally = step_cost.count(step, per_layer=True)
+    flops = sum(c.flops for c in tally.costs.values())
+    assert 2.0 * forward < flops <= 3.0 * forward
+    assert {where for where, _ in tally.costs} >= {"blocks.0", "blocks.1", "blocks.2"}

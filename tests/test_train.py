@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from rstcnn.train import engine, fastpath, precision_check, report, resampling, run
+from rstcnn.train import engine, fastpath, precision_check, report, resampling, run, step_cost
 from rstmodel import create_model, load_checkpoint
 from rstmodel.data import ArrayDataset, RSConfig, VariantDataset, collate, load_rs
 from rstmodel.layers import ConvMethod
@@ -221,6 +221,7 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
         # trials 0 and 1 of cnn and scale_cnn in two processes side by side
         "SHARDS": "rst_cnn_fb@1 cnn,scale_cnn@0-0 cnn,scale_cnn@1-1",
         "FASTPATH_ALIGNED": "(8,8,8)",  # the whole step again at other widths
+        "STEP_COST_ARGS": "--batch 2 --bf16 --model-arg channels=(4,6,8) --model-arg hidden=16",
         "FASTPATH_ARGS": "--steps 1 --batch 8 --profile --align-probe --model-arg channels=(4,6,8)",
         "DATA_ROOT": str(source["root"]),
         "WORK": str(work),
@@ -268,6 +269,8 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
         assert "logs/fastpath.log" in tar.getnames()
         aligned = json.load(tar.extractfile("fastpath-aligned/fastpath.json"))
         assert {row["model"] for row in aligned} == {"cnn", "rst_cnn_fb"}
+        cost = tar.extractfile("fastpath/step-cost.md").read().decode()
+        assert "| **all** | all |" in cost and "- measured " in cost  # beside fastpath's time
         head = tar.extractfile("fastpath-aligned/fastpath.md").read().decode().splitlines()[0]
         assert head.endswith("rst_cnn_fb channels=(8, 8, 8)")  # the later --model-arg wins
         assert "| blocks.1.0 | (4, 6) |" in tar.extractfile("fastpath/align.md").read().decode()
@@ -805,3 +808,54 @@ def test_fastpath_align_probe_times_each_rst_conv_at_both_widths(tmp_path, capsy
         ("(6, 9)", "(8, 16)"),
     ]
     assert all(float(r[2]) > 0 and float(r[4]) > 0 for r in rows)
+
+
+def test_step_cost_counts_flops_and_bytes_of_each_operator():
+    """train/step_cost.py's tally: a matrix product's FLOPs and the bytes it reads and
+    writes, exactly; a view moves nothing; an in-place operator reads and writes its target;
+    the floor is the binding one of the two peaks."""
+    a, b = torch.randn(6, 5), torch.randn(5, 7)
+    mm = step_cost.count(lambda: a @ b).costs[("all", "matmul")]
+    assert (mm.calls, mm.flops, mm.bytes) == (1, 2 * 6 * 5 * 7, 4 * (30 + 35 + 42))
+    assert mm.floor_s == pytest.approx(max(mm.flops / 989e12, mm.bytes / 4.8e12))
+    copied = step_cost.count(lambda: a.t().contiguous()).costs  # the transpose: a view
+    assert list(copied) == [("all", "gather/copy")]
+    assert copied[("all", "gather/copy")].bytes == 2 * 4 * 30
+    c, a3, b3 = torch.zeros(3, 6, 7), torch.randn(3, 6, 5), torch.randn(3, 5, 7)
+    into = step_cost.count(lambda: c.baddbmm_(a3, b3)).costs[("all", "matmul")]
+    apart = step_cost.count(lambda: torch.baddbmm(c, a3, b3)).costs[("all", "matmul")]
+    assert into.flops == apart.flops >= 2 * 3 * 6 * 5 * 7  # in place counts as out of place
+    x = torch.zeros(10)
+    added = step_cost.count(lambda: x.add_(1.0))
+    assert list(added.ops) == [("all", "add_")]
+    added = added.costs[("all", "elementwise")]
+    assert (added.calls, added.flops, added.bytes) == (1, 0, 2 * 40)
+
+
+def test_step_cost_of_a_training_step_by_layer(tmp_path, capsys):
+    """A whole training step, attributed to the RST blocks: the backward pass costs between
+    one and two forwards in FLOPs (no gradient for the input images), and the report's
+    totals are the sum of its rows."""
+    tiny = {"channels": (4, 6, 8), "hidden": 16}
+    model = create_model("rst_cnn_fb", **tiny)
+    x = torch.randn(2, 1, 56, 56)
+    forward = step_cost.count(lambda: model(x)).costs
+    out = tmp_path / "cost.md"
+    argv = ["--batch", "2", "--model-arg", "channels=(4,6,8)", "--model-arg", "hidden=16"]
+    assert step_cost.main([*argv, "--measured-ms", "10", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text == capsys.readouterr().out
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()]
+    assert {r[0] for r in rows if r[0].startswith("blocks.")} == {
+        "blocks.0",
+        "blocks.1",
+        "blocks.2",
+    }
+    end = next(i for i, r in enumerate(rows) if r[0] == "**all**")  # the kinds' table ends
+    step_gflop = float(rows[end][3].replace(",", ""))
+    parts = [float(r[3].replace(",", "")) for r in rows[:end] if len(r) == 6 and r[2].isdigit()]
+    assert sum(parts) == pytest.approx(step_gflop, abs=0.01 * len(parts))
+    assert "| blocks.1 | `bmm` |" in text  # the operators that bound the step, by name
+    forward_gflop = sum(c.flops for c in forward.values()) / 1e9
+    assert 2.0 * forward_gflop < step_gflop <= 3.0 * forward_gflop + 0.1
+    assert "measured 10.00 ms per step" in text
