@@ -207,6 +207,20 @@ def settings_of(config: TrainConfig, seed: int) -> dict[str, Any]:
     return values
 
 
+def add_model_arg(parser: argparse.ArgumentParser, help: str) -> None:
+    """The repeatable ``--model-arg KEY=VALUE`` option (into ``args.model_args``, a list of
+    pairs; later pairs win in ``dict(...)``)."""
+    parser.add_argument(
+        "--model-arg",
+        dest="model_args",
+        type=parse_model_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=help,
+    )
+
+
 def parse_model_arg(text: str) -> tuple[str, Any]:
     """``key=value`` with a Python literal value (``channels=(4,6,8)``); bare words are
     strings (``basis=sl``)."""

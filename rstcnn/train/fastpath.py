@@ -38,7 +38,7 @@ import torch.nn.functional as F
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rstcnn.train.config import parse_model_arg
+from rstcnn.train.config import add_model_arg
 from rstcnn.train.engine import use_tf32
 from rstmodel import create_model
 from rstmodel.layers import ConvMethod
@@ -384,15 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5, help="timed calls per figure")
-    parser.add_argument(
-        "--model-arg",
-        dest="model_args",
-        type=parse_model_arg,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override of --model, a Python literal",
-    )
+    add_model_arg(parser, "config override of --model, a Python literal")
     parser.add_argument(
         "--settings",
         nargs="+",

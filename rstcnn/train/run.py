@@ -45,7 +45,7 @@ import numpy as np
 from torch import distributed as dist
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from rstcnn.train.config import DATA_CHOICES, TrainConfig, parse_model_arg
+from rstcnn.train.config import DATA_CHOICES, TrainConfig, add_model_arg
 from rstcnn.train.engine import (
     Distributed,
     Interrupted,
@@ -124,14 +124,8 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         "--data-root", type=Path, default=None, help="folder of RS source files (IDX etc.)"
     )
     parser.add_argument("--stl10-root", type=Path, default=None, help="folder of stl10_binary/")
-    parser.add_argument(
-        "--model-arg",
-        dest="model_args",
-        type=parse_model_arg,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override, a Python literal (repeatable): --model-arg channels=(4,6,8)",
+    add_model_arg(
+        parser, "config override, a Python literal (repeatable): --model-arg channels=(4,6,8)"
     )
     parser.add_argument("--limit-train", type=int, default=None, help="use N training images")
     parser.add_argument(

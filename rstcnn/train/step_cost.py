@@ -40,7 +40,7 @@ from torch.utils.module_tracker import ModuleTracker
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rstcnn.train.config import parse_model_arg
+from rstcnn.train.config import add_model_arg
 from rstcnn.train.fastpath import Setting, train_step
 
 H200_TFLOPS, H200_TBPS = 989.0, 4.8
@@ -208,15 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--bf16", action="store_true", help="bfloat16 autocast")
-    parser.add_argument(
-        "--model-arg",
-        dest="model_args",
-        type=parse_model_arg,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override, a Python literal",
-    )
+    add_model_arg(parser, "config override, a Python literal")
     parser.add_argument("--peak-tflops", type=float, default=H200_TFLOPS)
     parser.add_argument("--peak-tbps", type=float, default=H200_TBPS)
     parser.add_argument("--measured-ms", type=float, default=None)
