@@ -818,6 +818,9 @@ def test_step_cost_counts_flops_and_bytes_of_each_operator():
     mm = step_cost.count(lambda: a @ b).costs[("all", "matmul")]
     assert (mm.calls, mm.flops, mm.bytes) == (1, 2 * 6 * 5 * 7, 4 * (30 + 35 + 42))
     assert mm.floor_s == pytest.approx(max(mm.flops / 989e12, mm.bytes / 4.8e12))
+    shared = b.expand(100, 5, 7)  # one matrix for 100 products: read once, not 100 times
+    batched = step_cost.count(lambda: torch.bmm(a.expand(100, 6, 5), shared)).costs
+    assert batched[("all", "matmul")].bytes == 4 * (30 + 35 + 100 * 42)
     copied = step_cost.count(lambda: a.t().contiguous()).costs  # the transpose: a view
     assert list(copied) == [("all", "gather/copy")]
     assert copied[("all", "gather/copy")].bytes == 2 * 4 * 30

@@ -89,11 +89,14 @@ def _is_view(func) -> bool:
 
 
 def _bytes(tensors) -> int:
+    """The memory the tensors span, each once: a broadcast (expanded, stride 0) operand
+    counts its distinct elements, not its logical size."""
     seen, total = set(), 0
     for t in tensors:
-        if isinstance(t, torch.Tensor) and id(t) not in seen:
+        if isinstance(t, torch.Tensor) and id(t) not in seen and t.numel() > 0:
             seen.add(id(t))
-            total += t.numel() * t.element_size()
+            span = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
+            total += min(t.numel(), span) * t.element_size()
     return total
 
 
