@@ -29,8 +29,8 @@
 # Comes back in $OUT: logs.tgz (logs/; fastpath/: fastpath.md, fastpath.json, profile.md,
 # align.md, step-cost.md; k-sweep/: sweep.md, sweep.json, accuracy-vs-time.png), record.tgz
 # (RESULTS: each finished run's summary and metrics, kept as each run finishes), split-check.tgz, and
-# resume-<run>.tgz (each unfinished run's folder: unpack all into .gpu_resume/ and carry it
-# into the next call, RESUME).
+# resume-<run>.tgz (each unfinished run's folder: unpack all into .gpu_resume/ and carry the
+# run folders into the next call, RESUME; with .gpu_data, about four runs fit a call's 64 MiB).
 #
 # The machine has no apt and no internet: carry the Fashion-MNIST IDX files in .gpu_data/
 # (mkdir -p .gpu_data && cp /usr/share/datasets/fashion-mnist/*.gz .gpu_data/).
@@ -43,9 +43,10 @@ REPRO_SIZES="${REPRO_SIZES:-5000}"
 RESULTS="${RESULTS:-results/reproduce/rs-fashion-$REPRO_BUDGET}"
 # one process per shard: models (comma-separated) @ trials (N: trials 0..N-1; A-B: trials A..B,
 # so shards side by side train different trials of one model); cells in RESULTS are skipped
-# (default: the runs carried in .gpu_resume first, one process per trial, then rst_cnn_fb's
-# next trials; three windows have measured the fast path, so by default it only times bf16)
-SHARDS="${SHARDS:-rot_cnn@0-0 rot_cnn@1-1 rot_cnn@2-2 sesn@0-0 sesn@1-1 sesn@2-2 rst_cnn_fb@1-1 rst_cnn_fb@2-2}"
+# (default: the rot_cnn runs carried in .gpu_resume first, one process per trial, then
+# rst_cnn_fb's next trials; the carried sesn runs follow in a second call, SHARDS="sesn@0-0
+# sesn@1-1 sesn@2-2"; three windows have measured the fast path, so it only times bf16)
+SHARDS="${SHARDS:-rot_cnn@0-0 rot_cnn@1-1 rot_cnn@2-2 rst_cnn_fb@1-1 rst_cnn_fb@2-2}"
 FASTPATH_SETTINGS="${FASTPATH_SETTINGS:-bf16}"  # train/fastpath.py's names, ';'-separated
 # e.g. "--profile --compile --align-probe" (the compile alone can take minutes)
 FASTPATH_ARGS="${FASTPATH_ARGS-}"
@@ -79,7 +80,13 @@ export RSTCNN_DATA="$WORK/data"
 mkdir -p "$OUT" "$WORK/logs" "$WORK/reproduce" "$RESULTS"
 LOG="$WORK/logs/session.log"
 log() { echo "[gpu +$((SECONDS))s] $*" | tee -a "$LOG"; }
-[[ -d "$RESUME" ]] && cp -r "$RESUME"/. "$WORK/reproduce/"
+# carried runs, but never over a run this machine already holds (a warm machine's own copy is
+# at least as far on as anything carried back into a later call)
+for run in "$RESUME"/*/*/*/; do
+    [[ -f "$run/last.pt" ]] || continue
+    held="$WORK/reproduce/${run#"$RESUME"/}"
+    [[ -f "$held/last.pt" ]] || { mkdir -p "$held" && cp -r "$run". "$held"; }
+done
 
 collect() {  # what has appeared so far -> $OUT (comes back even if the call is cut off)
     local run
