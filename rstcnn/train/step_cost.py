@@ -27,6 +27,7 @@ import re
 import sys
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,12 +147,8 @@ def count(
     ``per_layer`` the ``blocks.N`` running."""
     tracker = ModuleTracker() if per_layer else None
     tally = Tally(tracker, tflops, tbps)
-    if tracker is not None:
-        with tracker, tally:
-            fn()
-    else:
-        with tally:
-            fn()
+    with tracker or nullcontext(), tally:
+        fn()
     return tally
 
 
