@@ -778,6 +778,69 @@ def test_gauss_product_equals_the_complex_product_with_gradients(grads):
     assert torch.autograd.gradcheck(
         lambda *p: kernels_module._GaussProduct.apply(*p), parts, eps=1e-6, atol=1e-8
     )
+    # the bias enters the first dc_rows rows' real part, dc_scale times
+    bias = torch.randn(6, dtype=F64, requires_grad=grads == "all")
+    y_re, y_im = kernels_module._GaussProduct.apply(*parts, bias, 2, 9.0)
+    expected = (x @ g).clone()
+    expected[:2] += 9.0 * bias.detach()
+    torch.testing.assert_close(torch.complex(y_re, y_im), expected, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(
+        lambda *p: kernels_module._GaussProduct.apply(*p, 2, 9.0),
+        [*parts, bias],
+        eps=1e-6,
+        atol=1e-8,
+    )
+
+
+@pytest.mark.parametrize("dims", [(6, 6, 9, 9), (5, 7, 8, 11)], ids=["square", "rect"])
+def test_real_dft_pair_equals_torch_fft_with_gradients(dims):
+    """``_RealDFT2`` is rfft2 of the zero-padded maps and ``_InverseRealDFT2`` the first H x W
+    outputs of irfft2; their hand-written backwards pass gradcheck."""
+    h, w, nh, nw = dims
+    fw, m = nw // 2 + 1, 3
+    x = torch.randn(h, w, m, dtype=F64, requires_grad=True)
+    x_re, x_im = kernels_module._RealDFT2.apply(x.view(h, w * m), dims)
+    padded = torch.zeros(nh, nw, m, dtype=F64)
+    padded[:h, :w] = x.detach()
+    spectrum = torch.fft.rfft2(padded, dim=(0, 1))
+    torch.testing.assert_close(torch.complex(x_re, x_im), spectrum, rtol=1e-10, atol=1e-10)
+    y = torch.randn(nh, fw, m, dtype=torch.complex128)
+    y[0, 0].imag = 0  # a Hermitian half spectrum: DC (and Nyquist) real
+    if nw % 2 == 0:
+        y[:, -1].imag = 0
+    y_re = y.real.reshape(nh, fw * m).clone().requires_grad_(True)
+    y_im = y.imag.reshape(nh, fw * m).clone().requires_grad_(True)
+    got = kernels_module._InverseRealDFT2.apply(y_re, y_im, dims)
+    expected = torch.fft.irfft2(y, s=(nh, nw), dim=(0, 1))[:h, :w]
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    assert torch.autograd.gradcheck(
+        lambda t: kernels_module._RealDFT2.apply(t, dims), [x.view(h, w * m)], eps=1e-6, atol=1e-8
+    )
+    assert torch.autograd.gradcheck(
+        lambda a, b: kernels_module._InverseRealDFT2.apply(a, b, dims),
+        [y_re, y_im],
+        eps=1e-6,
+        atol=1e-8,
+    )
+
+
+def test_fft_path_adds_the_bias_at_frequency_zero_with_gradients():
+    conv = GroupRSTConv(3, 4, SPEC3, method="fft").to(F64)
+    with torch.no_grad():
+        conv.bias.normal_()
+    x = torch.randn(2, 3, 8, 3, 12, 12, dtype=F64, requires_grad=True)
+    grad_out = torch.randn(2, 4, 8, 3, 12, 12, dtype=F64)
+    results = []
+    for path in ("direct", "fft"):
+        x.grad = conv.weight.grad = conv.bias.grad = None
+        if path == "fft":
+            y = conv.forward_fft(x, bias=conv.bias)
+        else:
+            y = conv.forward_direct(x) + conv.bias.view(-1, 1, 1, 1, 1)
+        (y * grad_out).sum().backward()
+        results.append((y.detach(), x.grad.clone(), conv.weight.grad.clone(), conv.bias.grad))
+    for ref, got in zip(*results, strict=True):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("relu", [True, False])

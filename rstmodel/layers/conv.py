@@ -20,11 +20,11 @@ from .common import (
     fft_size,
 )
 from .kernels import (
-    _accumulate,
-    _dft_matrices,
     _GaussProduct,
+    _InverseRealDFT2,
     _PooledMix,
     _quarter_turn_rows,
+    _RealDFT2,
     _RowGather,
 )
 from .pooling import _check_even
@@ -542,7 +542,7 @@ class GroupRSTConv(_BasisConv):
         batched matmul over contiguous ``[B, C]`` blocks; the result keeps that layout
         (``spatial_major``). ``share_quarter_turns``: use ``quarter_turns`` where it
         applies (False: one filter spectrum per rotation, the plain path it must equal).
-        ``bias`` [Cout], if given, is added by the last inverse-DFT GEMM.
+        ``bias`` [Cout], if given, enters the spectrum at frequency (0, 0) (``_GaussProduct``).
         x [B, Cin, R, S, H, W] -> [B, Cout, R, S, H, W]."""
         b, cin, rot, nsc, h, w = x.shape
         nh, nw = self._grid(h, w)
@@ -552,40 +552,24 @@ class GroupRSTConv(_BasisConv):
         g_re, g_diff, g_sum = self._cached(
             f"fft{nh}x{nw}r{filt_rot}", lambda: self.spectra(nh, nw, filt_rot)
         )
-        dft = _dft_matrices(h, w, nh, nw, x.dtype, x.device)
         xs = x.permute(4, 5, 2, 3, 0, 1).contiguous()  # [H, W, R, S, B, Cin]
         if quarters > 1:
             # rows (h, w, r = q R/4 + p, s) -> (h, w, p, s, q), each map turned back q times
             rows = _quarter_turn_rows(h, rot, nsc, x.device)
             xs = _RowGather.apply(xs.view(-1, b * cin), *rows)
-        m = rot * nsc * b * cin
-        # along H (real input): a = sum_h x e^{-i 2 pi n h / nh}, [nh, W, M]
-        xm = xs.view(h, w * m)
-        a_re = (dft.cos_h @ xm).view(nh, w, m)
-        a_im = (dft.msin_h @ xm).view(nh, w, m)
-        # along W: X = sum_w a e^{-i 2 pi f w / nw}, [nh, Fw, M]; separate real GEMMs, so
-        # that no backward has to scatter into a stacked tensor
-        cos_w, sin_w = dft.cos_w.expand(nh, fw, w), dft.sin_w.expand(nh, fw, w)
-        x_re = _accumulate(torch.bmm(cos_w, a_re), sin_w, a_im)
-        x_im = _accumulate(torch.bmm(cos_w, a_im), sin_w, a_re, alpha=-1)
+        shape = (h, w, nh, nw)
+        x_re, x_im = _RealDFT2.apply(xs.view(h, -1), shape)  # [nh, Fw, R*S*B*Cin] each
         freqs = nh * fw * filt_rot * nsc
-        shape = (nh, fw, filt_rot, nsc, bq, cin)
-        x_re = self._gather_spectral_taps(x_re.view(shape), quarters).view(freqs, bq, -1)
-        x_im = self._gather_spectral_taps(x_im.view(shape), quarters).view(freqs, bq, -1)
-        # per frequency: [B', Cin*T] @ [Cin*T, Cout], complex, in three real products
-        y_re, y_im = _GaussProduct.apply(x_re, x_im, g_re, g_diff, g_sum)  # [NFRS, B', Cout]
-        mo = rot * nsc * b * self.out_channels
-        y_re, y_im = y_re.view(nh, fw * mo), y_im.view(nh, fw * mo)
-        # inverse along H, first H rows only: z = sum_n y e^{+i 2 pi n h / nh}
-        z_re = _accumulate(dft.inv_cos_h @ y_re, dft.inv_sin_h, y_im, alpha=-1).view(h, fw, mo)
-        z_im = _accumulate(dft.inv_sin_h @ y_re, dft.inv_cos_h, y_im).view(h, fw, mo)
-        # inverse along W (Hermitian half spectrum), first W columns only
-        inv_cos_w, inv_sin_w = dft.inv_cos_w.expand(h, w, fw), dft.inv_sin_w.expand(h, w, fw)
-        if bias is None:
-            y = torch.bmm(inv_cos_w, z_re)
-        else:  # channels are the innermost of the mo columns
-            y = torch.baddbmm(bias.repeat(mo // self.out_channels), inv_cos_w, z_re)
-        y = _accumulate(y, inv_sin_w, z_im)
+        shape6 = (nh, fw, filt_rot, nsc, bq, cin)
+        x_re = self._gather_spectral_taps(x_re.view(shape6), quarters).view(freqs, bq, -1)
+        x_im = self._gather_spectral_taps(x_im.view(shape6), quarters).view(freqs, bq, -1)
+        # per frequency: [B', Cin*T] @ [Cin*T, Cout], complex, in three real products; the
+        # bias enters at frequency (0, 0), the first R'*S rows
+        y_re, y_im = _GaussProduct.apply(
+            x_re, x_im, g_re, g_diff, g_sum, bias, filt_rot * nsc, float(nh * nw)
+        )  # [NFRS, B', Cout]
+        y_re, y_im = y_re.view(nh, -1), y_im.view(nh, -1)
+        y = _InverseRealDFT2.apply(y_re, y_im, shape)  # [H, W, R*S*B*Cout]
         if quarters > 1:  # turn each map forward again, rows back to (h, w, r, s)
             y = _RowGather.apply(y.view(-1, b * self.out_channels), *reversed(rows))
         return y.view(h, w, rot, nsc, b, self.out_channels).permute(4, 5, 2, 3, 0, 1)

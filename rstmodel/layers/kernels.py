@@ -1,6 +1,7 @@
 """The convolutions' fast-path kernels: autograd functions that keep memory and passes
-down (the lifting layer's pooled channel mixing, the FFT path's three-product complex
-mixing and quarter-turn row gather) and the cached DFT matrices."""
+down (the lifting layer's pooled channel mixing; the FFT path's GEMM DFTs, three-product
+complex mixing and quarter-turn row gather, each with a hand-written backward that
+accumulates in place) and the cached DFT matrices."""
 
 from __future__ import annotations
 
@@ -69,26 +70,35 @@ class _PooledMix(torch.autograd.Function):
         return grad_resp, grad_a, grad_bias, None, None
 
 
-def _accumulate(out: Tensor, m1: Tensor, m2: Tensor, alpha: float = 1) -> Tensor:
-    """``out += alpha m1 @ m2`` in place (batched or not), saving a GB-sized allocation on
-    the FFT path; autocast does not cast in-place ops, so the factors take ``out``'s dtype."""
-    m1, m2 = m1.to(out.dtype), m2.to(out.dtype)
-    if out.dim() == 3:
-        return out.baddbmm_(m1, m2, alpha=alpha)
-    return out.addmm_(m1, m2, alpha=alpha)
-
-
 class _GaussProduct(torch.autograd.Function):
     """Batched complex matrix products y = x G in three real ones (Gauss):
     m = (Re x + Im x) Re G, Re y = m - Im x (Re G + Im G), Im y = m + Re x (Im G - Re G).
     Takes (Re x, Im x, Re G, Im G - Re G, Re G + Im G); saves only its inputs (the sum
-    Re x + Im x is recomputed in backward, which also runs in three products per term)."""
+    Re x + Im x is recomputed in backward, which also runs in three products per term).
+
+    ``bias`` [Cout], if given, is added where it costs nothing: a map that is the constant c
+    on the whole periodic nh x nw grid has the spectrum c nh nw at frequency (0, 0) and zero
+    elsewhere, so adding ``dc_scale`` = nh nw times the bias to the first ``dc_rows`` rows
+    (frequency (0, 0) of every group element) adds the bias to every output pixel."""
 
     @staticmethod
-    def forward(ctx, x_re: Tensor, x_im: Tensor, g_re: Tensor, g_diff: Tensor, g_sum: Tensor):
+    def forward(
+        ctx,
+        x_re: Tensor,
+        x_im: Tensor,
+        g_re: Tensor,
+        g_diff: Tensor,
+        g_sum: Tensor,
+        bias: Tensor | None = None,
+        dc_rows: int = 0,
+        dc_scale: float = 1.0,
+    ):
         ctx.save_for_backward(x_re, x_im, g_re, g_diff, g_sum)
+        ctx.dc_rows, ctx.dc_scale = dc_rows, dc_scale
         m = torch.bmm(x_re + x_im, g_re)
         y_re = torch.baddbmm(m, x_im, g_sum, alpha=-1)
+        if bias is not None:
+            y_re[:dc_rows].add_(bias.to(y_re.dtype), alpha=dc_scale)
         # in place into m (autocast does not cast in-place ops: match m's dtype)
         return y_re, m.baddbmm_(x_re.to(m.dtype), g_diff.to(m.dtype))
 
@@ -98,7 +108,7 @@ class _GaussProduct(torch.autograd.Function):
         x_re, x_im, g_re, g_diff, g_sum = (t.to(dtype) for t in ctx.saved_tensors)
         need = ctx.needs_input_grad
         dm = dy_re + dy_im
-        dx_re = dx_im = dg_re = dg_diff = dg_sum = None
+        dx_re = dx_im = dg_re = dg_diff = dg_sum = dbias = None
         if need[0] or need[1]:
             dxs = torch.bmm(dm, g_re.mT)
             if need[0]:
@@ -111,7 +121,93 @@ class _GaussProduct(torch.autograd.Function):
             dg_diff = torch.bmm(x_re.mT, dy_im)
         if need[4]:
             dg_sum = torch.bmm(x_im.mT, dy_re).neg_()
-        return dx_re, dx_im, dg_re, dg_diff, dg_sum
+        if len(need) > 5 and need[5]:
+            wide = torch.promote_types(dtype, torch.float32)  # bfloat16 grads summed in float32
+            dbias = dy_re[: ctx.dc_rows].sum((0, 1), dtype=wide).mul_(ctx.dc_scale)
+        return dx_re, dx_im, dg_re, dg_diff, dg_sum, dbias, None, None
+
+
+def _compute_dtype(t: Tensor) -> torch.dtype:
+    """The dtype a kernel computes ``t`` in: autocast's, where autocast is on and would cast
+    it (it leaves float64 alone), else ``t``'s own."""
+    kind = t.device.type
+    if t.dtype != torch.float64 and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return t.dtype
+
+
+class _RealDFT2(torch.autograd.Function):
+    """The 2D DFT of real maps zero-padded to an nh x nw periodic grid, half spectrum along W:
+    spatial-major ``x [H, W*M] -> (Re X, Im X)``, each ``[nh, Fw, M]``, Fw = nw//2 + 1, in
+    four GEMMs (GEMMs beat FFTs at these sizes). The backward runs the transposed GEMMs and
+    accumulates in place, so autograd never sums the two gradients of an intermediate that
+    feeds two products (an allocation and a pass over it each). ``shape`` = (H, W, nh, nw);
+    computes in autocast's dtype where autocast is on."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, shape: tuple[int, int, int, int]):
+        h, w, nh, nw = ctx.shape = shape
+        fw = nw // 2 + 1
+        dtype = _compute_dtype(x)
+        dft = _dft_matrices(h, w, nh, nw, dtype, x.device)
+        x = x.to(dtype)
+        m = x.shape[1] // w
+        with torch.autocast(x.device.type, enabled=False):
+            # along H: a = sum_h x e^{-i 2 pi n h / nh}, [nh, W, M]
+            a_re = (dft.cos_h @ x).view(nh, w, m)
+            a_im = (dft.msin_h @ x).view(nh, w, m)
+            # along W: X = sum_w a e^{-i 2 pi f w / nw}, [nh, Fw, M]
+            cos_w, sin_w = dft.cos_w.expand(nh, fw, w), dft.sin_w.expand(nh, fw, w)
+            x_re = torch.bmm(cos_w, a_re).baddbmm_(sin_w, a_im)
+            x_im = torch.bmm(cos_w, a_im).baddbmm_(sin_w, a_re, alpha=-1)
+        return x_re, x_im
+
+    @staticmethod
+    def backward(ctx, g_re: Tensor, g_im: Tensor):
+        h, w, nh, nw = ctx.shape
+        fw = nw // 2 + 1
+        g_im = g_im.to(g_re.dtype)
+        dft = _dft_matrices(h, w, nh, nw, g_re.dtype, g_re.device)
+        m = g_re.shape[-1]
+        cos_w, sin_w = dft.cos_w.mT.expand(nh, w, fw), dft.sin_w.mT.expand(nh, w, fw)
+        ga_re = torch.bmm(cos_w, g_re).baddbmm_(sin_w, g_im, alpha=-1).view(nh, w * m)
+        ga_im = torch.bmm(sin_w, g_re).baddbmm_(cos_w, g_im).view(nh, w * m)
+        return (dft.cos_h.mT @ ga_re).addmm_(dft.msin_h.mT, ga_im), None
+
+
+class _InverseRealDFT2(torch.autograd.Function):
+    """The inverse of ``_RealDFT2``'s transform, first H x W outputs only: ``(Re Y, Im Y)``,
+    each ``[nh, Fw*M]`` -> ``y [H, W, M]`` (real; the half spectrum stands for the whole by
+    Hermitian symmetry), four GEMMs each way, gradients accumulated in place."""
+
+    @staticmethod
+    def forward(ctx, y_re: Tensor, y_im: Tensor, shape: tuple[int, int, int, int]):
+        h, w, nh, nw = ctx.shape = shape
+        fw = nw // 2 + 1
+        dtype = _compute_dtype(y_re)
+        dft = _dft_matrices(h, w, nh, nw, dtype, y_re.device)
+        y_re, y_im = y_re.to(dtype), y_im.to(dtype)
+        m = y_re.shape[1] // fw
+        with torch.autocast(y_re.device.type, enabled=False):
+            # along H: z = sum_n y e^{+i 2 pi n h / nh}, [H, Fw, M]
+            z_re = (dft.inv_cos_h @ y_re).addmm_(dft.inv_sin_h, y_im, alpha=-1).view(h, fw, m)
+            z_im = (dft.inv_sin_h @ y_re).addmm_(dft.inv_cos_h, y_im).view(h, fw, m)
+            # along W, Hermitian weights folded into the matrices: [H, W, M]
+            cos_w, sin_w = dft.inv_cos_w.expand(h, w, fw), dft.inv_sin_w.expand(h, w, fw)
+            return torch.bmm(cos_w, z_re).baddbmm_(sin_w, z_im)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        h, w, nh, nw = ctx.shape
+        fw = nw // 2 + 1
+        dft = _dft_matrices(h, w, nh, nw, grad.dtype, grad.device)
+        m = grad.shape[-1]
+        cos_w, sin_w = dft.inv_cos_w.mT.expand(h, fw, w), dft.inv_sin_w.mT.expand(h, fw, w)
+        gz_re = torch.bmm(cos_w, grad).view(h, fw * m)
+        gz_im = torch.bmm(sin_w, grad).view(h, fw * m)
+        g_re = (dft.inv_cos_h.mT @ gz_re).addmm_(dft.inv_sin_h.mT, gz_im)
+        g_im = (dft.inv_cos_h.mT @ gz_im).addmm_(dft.inv_sin_h.mT, gz_re, alpha=-1)
+        return g_re, g_im, None
 
 
 class _RowGather(torch.autograd.Function):
