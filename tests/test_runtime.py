@@ -89,3 +89,76 @@ def test_missing_jemalloc_warns_and_runs_on(tmp_path):
     )
     assert out.stdout.strip() == "|"
     assert "apt-get install libjemalloc2" in out.stderr
+
+
+SERVER_CODE = (
+    "from rstcnn.train.runtime import use_retaining_allocator; "
+    "use_retaining_allocator(default='jemalloc'); import os; "
+    "print(os.environ.get('LD_PRELOAD', '') + '|' + os.environ.get('GLIBC_TUNABLES', ''))"
+)
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="LD_PRELOAD is Linux-only")
+def test_a_jemalloc_default_preloads_it_or_falls_back_to_huge_pages(tmp_path):
+    """The web app's default: jemalloc where the loader finds it; without it, silently, the
+    huge-page tunable; an explicit RSTCNN_ALLOCATOR still wins."""
+    from rstcnn.train.runtime import find_jemalloc
+
+    def server(env_extra: dict) -> tuple[str, str]:
+        drop = (
+            "LD_PRELOAD",
+            "MALLOC_CONF",
+            "RSTCNN_ALLOCATOR",
+            "RSTCNN_JEMALLOC",
+            "GLIBC_TUNABLES",
+        )
+        env = {k: v for k, v in os.environ.items() if k not in drop}
+        env.update(env_extra)
+        out = subprocess.run(
+            [sys.executable, "-c", SERVER_CODE], env=env, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+        assert "WARNING" not in out.stderr
+        return tuple(out.stdout.strip().split("|"))
+
+    lib = find_jemalloc()
+    assert lib is not None, "libjemalloc2 missing: run scripts/setup.sh as root"
+    assert server({}) == (lib, "")
+    missing = {"RSTCNN_JEMALLOC": str(tmp_path / "nope.so")}
+    if platform.libc_ver()[0] == "glibc":
+        assert server(missing) == ("", HUGEPAGE_TUNABLES)
+        assert server({"RSTCNN_ALLOCATOR": "hugepages"}) == ("", HUGEPAGE_TUNABLES)
+    assert server({"RSTCNN_ALLOCATOR": "system"}) == ("", "")
+
+
+RELEASE_CODE = """
+import numpy as np
+from rstcnn.serve.memory import release_free_memory
+def rss():
+    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmRSS'))
+block = np.ones(256 << 20, dtype=np.uint8)  # 256 MiB, touched
+del block
+before = rss()
+released = release_free_memory()
+print(released, before - rss())
+"""
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="LD_PRELOAD and /proc are Linux-only")
+def test_release_free_memory_purges_what_a_retaining_jemalloc_keeps():
+    from rstcnn.train.runtime import JEMALLOC_CONF, find_jemalloc
+
+    lib = find_jemalloc()
+    assert lib is not None, "libjemalloc2 missing: run scripts/setup.sh as root"
+    drop = ("LD_PRELOAD", "MALLOC_CONF", "RSTCNN_ALLOCATOR", "GLIBC_TUNABLES")
+    base = {k: v for k, v in os.environ.items() if k not in drop}
+    kept = {**base, "LD_PRELOAD": lib, "MALLOC_CONF": JEMALLOC_CONF}
+    for env, expect_release in ((kept, True), (base, False)):
+        out = subprocess.run(
+            [sys.executable, "-c", RELEASE_CODE], env=env, capture_output=True, text=True
+        )
+        assert out.returncode == 0, out.stderr
+        released, dropped_kib = out.stdout.split()
+        assert released == str(expect_release)
+        if expect_release:  # the 256 MiB jemalloc kept after the free went back
+            assert int(dropped_kib) > 200 * 1024

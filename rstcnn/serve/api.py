@@ -28,6 +28,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from .guards import Busy, Gate
+from .memory import release_free_memory
 from .stability import StabilityReport, SweepSpec, measure_stability
 from .uploads import MAX_PIXELS, MAX_UPLOAD_BYTES, UploadError, decode_image
 
@@ -258,6 +259,8 @@ class SweepCache:
                     continue
                 with self._lock:
                     self._reports[self.key(pixels)] = report
+            # the start-up's peaks (variant timing, these sweeps) are not the steady state's
+            release_free_memory()
 
         thread = threading.Thread(target=run, name="gallery-sweeps", daemon=True)
         thread.start()

@@ -28,7 +28,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
 import contextlib
-import ctypes
 import functools
 import hashlib
 import json
@@ -56,6 +55,7 @@ from rstcnn.serve.guards import (
     allowed_hosts,
     server_config,
 )
+from rstcnn.serve.memory import release_free_memory, return_memory_to_the_system
 from rstcnn.serve.preview import PageMeta
 from rstcnn.serve.samples import GALLERY, Sample, write_samples
 from rstcnn.serve.stability import (
@@ -712,19 +712,6 @@ def warm_gallery(app: FastAPI) -> Any:
     return app.state.sweep_cache.warm(images)
 
 
-def return_memory_to_the_system() -> None:
-    """glibc only: hand freed blocks of 1 MB and more straight back to the system, and keep
-    two malloc arenas instead of one per thread, so that the server's size falls back
-    after a large request instead of growing with every worker thread (no-op elsewhere)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_mmap_threshold, m_arena_max = -3, -8  # mallopt parameters, malloc.h
-    libc.mallopt(m_mmap_threshold, 1 << 20)
-    libc.mallopt(m_arena_max, 2)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -786,6 +773,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     import uvicorn
 
+    release_free_memory()  # the start-up's checks and timings peak higher than serving
     warm_gallery(app)
     log.info("serving on http://%s:%d (API docs at /docs)", args.host, args.port)
     uvicorn.Server(server_config(app, host=args.host, port=args.port, log_level="warning")).run()
@@ -793,11 +781,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def cli() -> None:
     """The ``rstcnn-serve`` command (and ``python serve/app.py``)."""
-    from rstcnn.train.runtime import use_retaining_allocator  # standard library only
+    from rstcnn.train.runtime import JEMALLOC_CONF, use_retaining_allocator  # stdlib only
 
-    # glibc's huge-page tunable (RSTCNN_ALLOCATOR; re-exec once): a sweep 1.2-1.4x faster
-    # (BENCHMARKS.md, "Issue 13, fifth pass"); the server still hands large blocks back
-    use_retaining_allocator()
+    # a retaining heap (RSTCNN_ALLOCATOR, default jemalloc here; re-exec once): a server's
+    # working set is one sweep's, and a sweep that reuses its memory instead of faulting in
+    # fresh pages is ~1.2x faster (BENCHMARKS.md); glibc's huge-page tunable without jemalloc
+    use_retaining_allocator(default="jemalloc", jemalloc_conf=JEMALLOC_CONF + ",narenas:2")
     main()
 
 

@@ -13,7 +13,12 @@ memory for reuse; ``use_retaining_allocator`` then re-executes the process once 
 - ``retain``: glibc told not to mmap or trim. Same speed, but its heap fragments: at batch
   128 the same model outgrew 24 GB.
 
-Both are opt-in because a retaining heap peaks higher than the default allocator.
+Both are opt-in for training because a retaining heap peaks higher than the default
+allocator. The web app (``serve/app.py``) defaults to ``jemalloc`` (with two arenas, and
+``serve.memory.release_free_memory`` once its start-up checks are done and again after its gallery
+sweeps): a server's working set is one sweep's, bounded, and a stability request took p50
+1.07-1.43 s instead of 1.89-1.93 s, its soak staying under 2.5 GiB (BENCHMARKS.md); without
+the library it takes the huge-page tunable.
 
 Unset (or ``hugepages``), glibc is asked to back its large blocks with transparent huge
 pages (``glibc.malloc.hugetlb=1``, glibc >= 2.35, THP in ``madvise`` or ``always`` mode;
@@ -64,13 +69,15 @@ def _reexec(env: dict[str, str]) -> None:
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
-def use_retaining_allocator() -> None:
-    """Per ``RSTCNN_ALLOCATOR``, re-exec this process (same interpreter and arguments) once:
-    ``jemalloc`` or ``retain`` with a retaining heap, unset or ``hugepages`` with glibc's
-    huge-page tunable; ``system`` (or anything else): nothing. No re-exec when the process
-    already runs that way or the platform lacks it (for jemalloc a warning says so). Call it
-    first thing in a CLI's main."""
-    mode = os.environ.get("RSTCNN_ALLOCATOR", "").lower() or "hugepages"
+def use_retaining_allocator(default: str = "hugepages", jemalloc_conf: str = JEMALLOC_CONF) -> None:
+    """Per ``RSTCNN_ALLOCATOR`` (unset: ``default``), re-exec this process (same interpreter
+    and arguments) once: ``jemalloc`` or ``retain`` with a retaining heap, ``hugepages`` with
+    glibc's huge-page tunable; ``system`` (or anything else): nothing. No re-exec when the
+    process already runs that way or the platform lacks it. Where jemalloc is asked for and
+    missing: a warning when the user asked, else (a CLI's default) the huge-page tunable.
+    Call it first thing in a CLI's main."""
+    asked = os.environ.get("RSTCNN_ALLOCATOR", "").lower()
+    mode = asked or default
     if mode not in ("retain", "jemalloc", "hugepages") or platform.system() != "Linux":
         return
     env = dict(os.environ)
@@ -78,17 +85,21 @@ def use_retaining_allocator() -> None:
         if "jemalloc" in env.get("LD_PRELOAD", ""):
             return
         lib = find_jemalloc()
-        if lib is None:
+        if lib is None and not asked:
+            log.info("no jemalloc library found: glibc's huge-page tunable instead")
+            mode = "hugepages"
+        elif lib is None:
             log.warning(
                 "RSTCNN_ALLOCATOR=jemalloc but no jemalloc library was found: running with "
                 "the default allocator (install it: apt-get install libjemalloc2, or set "
                 "RSTCNN_JEMALLOC=/path/to/libjemalloc.so.2)"
             )
             return
-        env["LD_PRELOAD"] = " ".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
-        env.setdefault("MALLOC_CONF", JEMALLOC_CONF)
-        log.debug("re-executing with LD_PRELOAD=%s", env["LD_PRELOAD"])
-        _reexec(env)
+        else:
+            env["LD_PRELOAD"] = " ".join(p for p in (lib, env.get("LD_PRELOAD", "")) if p)
+            env.setdefault("MALLOC_CONF", jemalloc_conf)
+            log.debug("re-executing with LD_PRELOAD=%s", env["LD_PRELOAD"])
+            _reexec(env)
     if platform.libc_ver()[0] != "glibc":
         return
     tunables = RETAINING_TUNABLES if mode == "retain" else HUGEPAGE_TUNABLES
