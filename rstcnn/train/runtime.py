@@ -15,10 +15,10 @@ memory for reuse; ``use_retaining_allocator`` then re-executes the process once 
 
 Both are opt-in for training because a retaining heap peaks higher than the default
 allocator. The web app (``serve/app.py``) defaults to ``jemalloc`` (with two arenas, and
-``serve.memory.release_free_memory`` once its start-up checks are done and again after its gallery
-sweeps): a server's working set is one sweep's, bounded, and a stability request took p50
-1.07-1.43 s instead of 1.89-1.93 s, its soak staying under 2.5 GiB (BENCHMARKS.md); without
-the library it takes the huge-page tunable.
+``serve.memory.release_free_memory`` once its start-up checks are done and again after its
+gallery sweeps): a server's working set is one sweep's, bounded, and a stability request
+took p50 1.07-1.43 s instead of 1.89-1.93 s, its soak staying under 2.5 GiB (BENCHMARKS.md);
+without the library it takes the huge-page tunable.
 
 Unset (or ``hugepages``), glibc is asked to back its large blocks with transparent huge
 pages (``glibc.malloc.hugetlb=1``, glibc >= 2.35, THP in ``madvise`` or ``always`` mode;

@@ -20,6 +20,7 @@ from .common import (
     fft_size,
 )
 from .kernels import (
+    _autocast_dtype,
     _GaussProduct,
     _InverseRealDFT2,
     _PooledMix,
@@ -30,12 +31,6 @@ from .kernels import (
 from .pooling import _check_even
 
 __all__ = ["LiftingRSTConv", "GroupRSTConv", "RSTPointwise"]
-
-
-def _autocast_dtype(device: torch.device) -> torch.dtype | None:
-    """The dtype autocast computes in on ``device``'s type now, None where it is off."""
-    kind = device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
 
 
 class _BasisConv(nn.Module):

@@ -127,13 +127,17 @@ class _GaussProduct(torch.autograd.Function):
         return dx_re, dx_im, dg_re, dg_diff, dg_sum, dbias, None, None
 
 
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast computes in on ``device``'s type now, None where it is off."""
+    kind = device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+
+
 def _compute_dtype(t: Tensor) -> torch.dtype:
     """The dtype a kernel computes ``t`` in: autocast's, where autocast is on and would cast
     it (it leaves float64 alone), else ``t``'s own."""
-    kind = t.device.type
-    if t.dtype != torch.float64 and torch.is_autocast_enabled(kind):
-        return torch.get_autocast_dtype(kind)
-    return t.dtype
+    autocast = _autocast_dtype(t.device)
+    return autocast if autocast is not None and t.dtype != torch.float64 else t.dtype
 
 
 class _RealDFT2(torch.autograd.Function):
