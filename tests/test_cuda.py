@@ -85,6 +85,32 @@ def test_tuned_method_and_bf16_autocast_on_cuda(device):
     assert ((half - ref).norm() / ref.norm()).item() < 0.05
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_triton_mixing_equals_three_products_on_cuda(device, monkeypatch, precision):
+    """The FFT path's one-kernel mixing (rstmodel.layers.complex_mix, the default on CUDA)
+    against the three cuBLAS products it replaces: values and every gradient."""
+    from rstmodel.layers import complex_mix
+
+    conv = GroupRSTConv(5, 6, SPEC).to(device)
+    with torch.no_grad():
+        conv.bias.normal_()
+    x = torch.randn(3, 5, 8, 4, 20, 20, device=device, requires_grad=True)
+    grad_out = torch.randn(3, 6, 8, 4, 20, 20, device=device)
+    results = []
+    for mix in ("gauss", "triton"):
+        monkeypatch.setenv(complex_mix.ENV, mix)
+        x.grad = conv.weight.grad = conv.bias.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            y = conv.forward_fft(x, bias=conv.bias)
+        (y.float() * grad_out).sum().backward()
+        results.append(
+            (y.detach().float(), x.grad.clone(), conv.weight.grad.clone(), conv.bias.grad)
+        )
+    tol = 1e-5 if precision == "fp32" else 2e-2
+    for ref, got in zip(*results, strict=True):
+        assert ((got - ref).norm() / ref.norm()).item() < tol
+
+
 def test_step_cost_counts_the_backward_on_cuda(device):
     """train/step_cost.py on CUDA, where autograd runs the backward on its own device
     thread: the dispatch mode must still see it (a step costs 2-3 forwards in FLOPs)."""

@@ -19,6 +19,8 @@ from .common import (
     _time_path,
     fft_size,
 )
+from .complex_mix import complex_mix
+from .complex_mix import use_for as _use_complex_mix
 from .kernels import (
     _autocast_dtype,
     _GaussProduct,
@@ -507,12 +509,15 @@ class GroupRSTConv(_BasisConv):
         return spec
 
     def spectra(
-        self, nh: int, nw: int, rotations: int | None = None
-    ) -> tuple[Tensor, Tensor, Tensor]:
+        self, nh: int, nw: int, rotations: int | None = None, *, gauss: bool = True
+    ) -> tuple[Tensor, ...]:
         """Filter spectra G of the first ``rotations`` rotations (default all R) as
-        (Re G, Im G - Re G, Re G + Im G), each ``[nh*Fw*rotations*S, Cin*T, Cout]``."""
+        (Re G, Im G - Re G, Re G + Im G) for ``_GaussProduct``, or (Re G, Im G) with
+        ``gauss=False`` (``complex_mix``), each ``[nh*Fw*rotations*S, Cin*T, Cout]``."""
         rotations = self.spec.rotations if rotations is None else rotations
         basis_spec = self._basis_spectrum(nh, nw, rotations)  # [3, NFRS, K]
+        if not gauss:
+            basis_spec = torch.stack([basis_spec[0], basis_spec[1] + basis_spec[0]])
         a = self.weight.permute(3, 1, 2, 0).reshape(self.spec.num_funcs, -1)  # [K, Cin*T*Cout]
         shape = (basis_spec.shape[1], self.in_channels * self.taps, self.out_channels)
         return tuple((part @ a).view(shape) for part in basis_spec)
@@ -544,9 +549,6 @@ class GroupRSTConv(_BasisConv):
         fw = nw // 2 + 1
         quarters = self.quarter_turns(h, w) if share_quarter_turns else 1
         filt_rot, bq = rot // quarters, b * quarters  # filter rotations, GEMM rows
-        g_re, g_diff, g_sum = self._cached(
-            f"fft{nh}x{nw}r{filt_rot}", lambda: self.spectra(nh, nw, filt_rot)
-        )
         xs = x.permute(4, 5, 2, 3, 0, 1).contiguous()  # [H, W, R, S, B, Cin]
         if quarters > 1:
             # rows (h, w, r = q R/4 + p, s) -> (h, w, p, s, q), each map turned back q times
@@ -558,11 +560,17 @@ class GroupRSTConv(_BasisConv):
         shape6 = (nh, fw, filt_rot, nsc, bq, cin)
         x_re = self._gather_spectral_taps(x_re.view(shape6), quarters).view(freqs, bq, -1)
         x_im = self._gather_spectral_taps(x_im.view(shape6), quarters).view(freqs, bq, -1)
-        # per frequency: [B', Cin*T] @ [Cin*T, Cout], complex, in three real products; the
-        # bias enters at frequency (0, 0), the first R'*S rows
-        y_re, y_im = _GaussProduct.apply(
-            x_re, x_im, g_re, g_diff, g_sum, bias, filt_rot * nsc, float(nh * nw)
-        )  # [NFRS, B', Cout]
+        # per frequency: [B', Cin*T] @ [Cin*T, Cout], complex; the bias enters at frequency
+        # (0, 0), the first R'*S rows
+        dc = (bias, filt_rot * nsc, float(nh * nw))
+        if _use_complex_mix(x_re):  # one Triton kernel
+            g = self._cached(
+                f"fftc{nh}x{nw}r{filt_rot}", lambda: self.spectra(nh, nw, filt_rot, gauss=False)
+            )
+            y_re, y_im = complex_mix(x_re, x_im, *g, *dc)  # [NFRS, B', Cout]
+        else:  # three real products
+            g = self._cached(f"fft{nh}x{nw}r{filt_rot}", lambda: self.spectra(nh, nw, filt_rot))
+            y_re, y_im = _GaussProduct.apply(x_re, x_im, *g, *dc)
         y_re, y_im = y_re.view(nh, -1), y_im.view(nh, -1)
         y = _InverseRealDFT2.apply(y_re, y_im, shape)  # [H, W, R*S*B*Cout]
         if quarters > 1:  # turn each map forward again, rows back to (h, w, r, s)

@@ -122,9 +122,15 @@ class _GaussProduct(torch.autograd.Function):
         if need[4]:
             dg_sum = torch.bmm(x_im.mT, dy_re).neg_()
         if len(need) > 5 and need[5]:
-            wide = torch.promote_types(dtype, torch.float32)  # bfloat16 grads summed in float32
-            dbias = dy_re[: ctx.dc_rows].sum((0, 1), dtype=wide).mul_(ctx.dc_scale)
+            dbias = _dc_bias_grad(dy_re, ctx.dc_rows, ctx.dc_scale)
         return dx_re, dx_im, dg_re, dg_diff, dg_sum, dbias, None, None
+
+
+def _dc_bias_grad(dy_re: Tensor, dc_rows: int, dc_scale: float) -> Tensor:
+    """The gradient of a bias added as ``dc_scale`` times itself to the real part of the
+    first ``dc_rows`` rows of ``[F, M, N]`` spectra; bfloat16 gradients summed in float32."""
+    wide = torch.promote_types(dy_re.dtype, torch.float32)
+    return dy_re[:dc_rows].sum((0, 1), dtype=wide).mul_(dc_scale)
 
 
 def _autocast_dtype(device: torch.device) -> torch.dtype | None:
