@@ -645,6 +645,8 @@ def test_fastpath_setting_flags_are_train_run_flags():
     direct = fastpath.Setting("d", "bf16", ConvMethod.DIRECT)
     assert direct.flags == ["--bf16", "--model-arg", "method='direct'"]
     assert set(fastpath.TRAIN_SETTINGS) < set(fastpath.EVAL_SETTINGS)
+    assert fastpath.Setting("e", "bf16", mix="gauss").env == {"RSTCNN_COMPLEX_MIX": "gauss"}
+    assert fastpath.Setting("f", "bf16").env == {}
     for setting in fastpath.EVAL_SETTINGS:
         args = run.parse_args(["--model", "rst_cnn_fb", *setting.flags])
         assert args.tf32 is (setting.precision != "fp32"), setting
@@ -660,7 +662,7 @@ def test_fastpath_dry_run_on_cpu(tmp_path, capsys):
     argv = ["--device", "cpu", "--model-arg", "channels=(4,6,8)", "--steps", "1", "--batch", "4"]
     assert fastpath.main([*argv, "--out", str(out)]) == 0
     printed = capsys.readouterr().out.strip().splitlines()
-    assert printed[-1].startswith("FLAGS:")  # "FLAGS:" alone when the default was fastest
+    assert printed[-2].startswith("FLAGS:")  # "FLAGS:" alone when the default was fastest
     rows = json.loads((out / "fastpath.json").read_text())
     expected = [
         (setting.name, model)
@@ -683,8 +685,14 @@ def test_fastpath_dry_run_on_cpu(tmp_path, capsys):
         key=lambda r: r["train_s"],
     )
     assert f"fastest training setting: {best['setting']} (" in text
-    flags = printed[-1].removeprefix("FLAGS:").split()  # as the script's $FLAGS splits
+    flags = printed[-2].removeprefix("FLAGS:").split()  # as the script's $FLAGS splits
     assert flags == best["flags"]
+    env = dict(kv.split("=") for kv in printed[-1].removeprefix("ENV:").split())
+    assert (
+        env
+        == best["env"]
+        == next(s.env for s in fastpath.EVAL_SETTINGS if s.name == best["setting"])
+    )
     args = run.parse_args(["--model", "rst_cnn_fb", *flags])
     assert args.bf16 is ("--bf16" in flags) and args.tf32 is ("--no-tf32" not in flags)
 
@@ -799,7 +807,7 @@ def test_fastpath_align_probe_times_each_rst_conv_at_both_widths(tmp_path, capsy
     argv = ["--device", "cpu", "--model-arg", "channels=(4,6,9)", "--steps", "1", "--batch", "2"]
     assert fastpath.main([*argv, "--settings", "fp32", "--align-probe", "--out", str(out)]) == 0
     text = (out / "align.md").read_text()
-    assert text == capsys.readouterr().out.split("FLAGS:")[1].split("\n", 1)[1]
+    assert text == capsys.readouterr().out.split("ENV:")[1].split("\n", 1)[1]
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| blocks")]
     # the lifting conv keeps its one image channel; the group convs round both widths up
     assert [(r[1], r[3]) for r in rows] == [

@@ -6,9 +6,11 @@
 For ``--model`` (default rst_cnn_fb) and the plain ``cnn`` baseline: the training step
 (forward, backward, Adam) at the training batch and evaluation at that batch and at batch 1,
 for each setting in ``TRAIN_SETTINGS`` / ``EVAL_SETTINGS``: float32, TF32 matrix products,
-bfloat16 autocast, and the convolution method (the automatic choice by multiply-adds, the
-per-scale direct form on cuDNN / oneDNN, TUNED: each layer times its forms on the first
-call). ``--settings`` picks some of them (default: all). ``--profile`` then profiles the
+bfloat16 autocast, the FFT path's frequency-wise mixing (one Triton kernel, the default on
+CUDA, against three cuBLAS products: ``bf16 gauss``; a setting's ``env`` line says what
+train/run.py then needs) and the convolution method (the automatic choice by multiply-adds,
+the per-scale direct form on cuDNN / oneDNN, TUNED: each layer times its forms on the first
+call). A setting that fails is recorded with its error and the grid goes on. ``--settings`` picks some of them (default: all). ``--profile`` then profiles the
 fastest training setting's step (torch.profiler: the GPU's busy fraction, kernel launches per
 step, the kernels and operators that take the time) into ``profile.md``. ``--compile`` also
 times ``torch.compile`` of that training step and of the fastest eval setting.
@@ -19,13 +21,15 @@ the channels inside the layers (so that matrix products can use 16-byte-aligned 
 kernels) would pay for its extra multiply-adds. Prints a
 markdown table with the ratio of each figure to the CNN in the same setting, writes it and a
 JSON copy to ``--out``, and prints the fastest training setting as train/run.py flags on its
-last line (``FLAGS: ...``), which scripts/gpu_session.sh passes on.
+``FLAGS: ...`` line and the environment it needs on the last (``ENV: ...``), which
+scripts/gpu_session.sh passes on.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -41,7 +45,7 @@ if __package__ in (None, ""):
 from rstcnn.train.config import add_model_arg
 from rstcnn.train.engine import use_tf32
 from rstmodel import create_model
-from rstmodel.layers import ConvMethod
+from rstmodel.layers import ConvMethod, complex_mix
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class Setting:
     name: str
     precision: str  # fp32, tf32 (TF32 tensor cores for float32 products), bf16 (autocast)
     method: ConvMethod = ConvMethod.AUTO
+    mix: str = "auto"  # the FFT path's mixing (RSTCNN_COMPLEX_MIX): auto, triton, gauss
 
     @property
     def flags(self) -> list[str]:
@@ -58,11 +63,18 @@ class Setting:
             out += ["--model-arg", f"method={self.method.value!r}"]
         return out
 
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment train/run.py needs beside ``flags`` for this setting."""
+        return {} if self.mix == "auto" else {complex_mix.ENV: self.mix}
+
 
 TRAIN_SETTINGS = (
     Setting("fp32", "fp32"),
     Setting("tf32", "tf32"),
     Setting("bf16", "bf16"),
+    # the FFT path's mixing as three cuBLAS products instead of one Triton kernel
+    Setting("bf16 gauss", "bf16", mix="gauss"),
     Setting("tf32 direct", "tf32", ConvMethod.DIRECT),
     Setting("bf16 direct", "bf16", ConvMethod.DIRECT),
 )
@@ -92,6 +104,8 @@ def _timed(fn, device: torch.device, warmup: int, steps: int) -> float:
 
 
 def build(name: str, setting: Setting, overrides: dict, device: torch.device):
+    """A fresh model for ``setting``; sets the process's FFT mixing to the setting's."""
+    os.environ[complex_mix.ENV] = setting.mix
     torch.manual_seed(0)
     kwargs = dict(overrides)
     if name != "cnn":
@@ -158,9 +172,14 @@ def run_grid(args: argparse.Namespace) -> list[dict]:
                 continue  # the CNN has no method to choose
             over = args.model_args if name == args.model else {}
             row = {"model": name, "setting": setting.name, "flags": setting.flags}
-            if setting in TRAIN_SETTINGS:
-                row |= measure_train(name, setting, over, device, args.batch, 2, args.steps)
-            row |= measure_eval(name, setting, over, device, args.batch, 2, args.steps)
+            row["env"] = setting.env
+            try:
+                if setting in TRAIN_SETTINGS:
+                    row |= measure_train(name, setting, over, device, args.batch, 2, args.steps)
+                row |= measure_eval(name, setting, over, device, args.batch, 2, args.steps)
+            except Exception as err:  # one setting failing (a kernel, memory) is a finding
+                row["error"] = repr(err)[:300]
+                print(f"{name}, {setting.name} failed: {err!r}", flush=True)
             rows.append(row)
             print(json.dumps(row), flush=True)
             if device.type == "cuda":
@@ -362,6 +381,8 @@ def table(rows: list[dict], model: str) -> str:
             f"{ratio(r, 'train_s')} | {ratio(r, 'eval_s')} | {ratio(r, 'eval1_ms')} |"
         )
     for r in rows:
+        if "error" in r:
+            lines.append(f"\n{r['model']}, {r['setting']}: failed: {r['error']}")
         for kind in ("train", "eval"):
             if f"{kind}_compile_s" in r:
                 lines.append(
@@ -430,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_grid(args)
     best = write(rows)
     print("FLAGS: " + " ".join(best["flags"]), flush=True)
+    print("ENV: " + " ".join(f"{k}={v}" for k, v in best.get("env", {}).items()), flush=True)
     if args.profile:
         text = profile_training(args, best)
         print(text, end="", flush=True)
