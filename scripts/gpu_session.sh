@@ -47,9 +47,9 @@ RESULTS="${RESULTS:-results/reproduce/rs-fashion-$REPRO_BUDGET}"
 # rst_cnn_fb's next trials; the carried sesn runs follow in a second call, SHARDS="sesn@0-0
 # sesn@1-1 sesn@2-2"; three windows have measured the fast path, so it only times bf16)
 SHARDS="${SHARDS:-rot_cnn@0-0 rot_cnn@1-1 rot_cnn@2-2 rst_cnn_fb@1-1 rst_cnn_fb@2-2}"
-# train/fastpath.py's names, ';'-separated: bf16 with the FFT path's Triton mixing kernel
-# and with the three cuBLAS products it replaces (the faster one trains the shards below)
-FASTPATH_SETTINGS="${FASTPATH_SETTINGS:-bf16;bf16 gauss}"
+# train/fastpath.py's names, ';'-separated: bf16 with the fast paths' fused Triton kernels
+# and with the torch operators they replace (the faster one trains the shards below)
+FASTPATH_SETTINGS="${FASTPATH_SETTINGS:-bf16;bf16 torch}"
 # e.g. "--profile --compile --align-probe" (the compile alone can take minutes)
 FASTPATH_ARGS="${FASTPATH_ARGS-}"
 FASTPATH_TIMEOUT="${FASTPATH_TIMEOUT:-90}"
@@ -126,13 +126,13 @@ timeout "$FASTPATH_TIMEOUT" "$PY" train/fastpath.py --device "$DEVICE" --out "$W
     --settings "${settings[@]}" $FASTPATH_ARGS \
     >"$WORK/logs/fastpath.log" 2>&1 || log "fastpath exit $?"
 FLAGS=$(sed -n 's/^FLAGS: //p' "$WORK/logs/fastpath.log" | tail -1)
-# the environment the fastest setting needs (RSTCNN_COMPLEX_MIX=gauss where three cuBLAS
-# products beat the Triton mixing kernel, or where the kernel failed); without a verdict
-# from the fast path, the products measured in earlier windows
+# the environment the fastest setting needs (RSTCNN_KERNELS=torch where torch's operators
+# beat the fused Triton kernels, or where a kernel failed); without a verdict from the fast
+# path, torch's operators, as measured in earlier windows
 if grep -q '^ENV:' "$WORK/logs/fastpath.log"; then
     for kv in $(sed -n 's/^ENV: //p' "$WORK/logs/fastpath.log" | tail -1); do export "${kv?}"; done
 else
-    export RSTCNN_COMPLEX_MIX=gauss
+    export RSTCNN_KERNELS=torch
 fi
 if [[ -n "$STEP_COST_ARGS" ]]; then
     # FLOPs and bytes of one training step as this device runs it, beside the step's time
@@ -153,7 +153,7 @@ if [[ -n "$FASTPATH_ALIGNED" ]]; then
         --model-arg "channels=$FASTPATH_ALIGNED" >"$WORK/logs/fastpath-aligned.log" 2>&1 ||
         log "fastpath (aligned widths) exit $?"
 fi
-log "fastest training setting: flags '${FLAGS}', mixing '${RSTCNN_COMPLEX_MIX:-auto}'; $(grep -m1 'device busy' "$WORK/fastpath/profile.md" 2>/dev/null)"
+log "fastest training setting: flags '${FLAGS}', kernels '${RSTCNN_KERNELS:-auto}'; $(grep -m1 'device busy' "$WORK/fastpath/profile.md" 2>/dev/null)"
 wait
 log "data ready: $(ls "$RSTCNN_DATA"/rs-fashion/seed*/*.npz 2>/dev/null | wc -l) renderings"
 collect

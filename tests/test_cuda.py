@@ -87,9 +87,9 @@ def test_tuned_method_and_bf16_autocast_on_cuda(device):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_triton_mixing_equals_three_products_on_cuda(device, monkeypatch, precision):
-    """The FFT path's one-kernel mixing (rstmodel.layers.complex_mix, the default on CUDA)
+    """The FFT path's one-kernel mixing (rstmodel.layers.triton_ops, the default on CUDA)
     against the three cuBLAS products it replaces: values and every gradient."""
-    from rstmodel.layers import complex_mix
+    from rstmodel.layers import triton_ops
 
     conv = GroupRSTConv(5, 6, SPEC).to(device)
     with torch.no_grad():
@@ -97,8 +97,8 @@ def test_triton_mixing_equals_three_products_on_cuda(device, monkeypatch, precis
     x = torch.randn(3, 5, 8, 4, 20, 20, device=device, requires_grad=True)
     grad_out = torch.randn(3, 6, 8, 4, 20, 20, device=device)
     results = []
-    for mix in ("gauss", "triton"):
-        monkeypatch.setenv(complex_mix.ENV, mix)
+    for kernels in ("torch", "triton"):
+        monkeypatch.setenv(triton_ops.ENV, kernels)
         x.grad = conv.weight.grad = conv.bias.grad = None
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
             y = conv.forward_fft(x, bias=conv.bias)
@@ -106,6 +106,30 @@ def test_triton_mixing_equals_three_products_on_cuda(device, monkeypatch, precis
         results.append(
             (y.detach().float(), x.grad.clone(), conv.weight.grad.clone(), conv.bias.grad)
         )
+    tol = 1e-5 if precision == "fp32" else 2e-2
+    for ref, got in zip(*results, strict=True):
+        assert ((got - ref).norm() / ref.norm()).item() < tol
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_triton_pooled_lifting_equals_torch_on_cuda(device, monkeypatch, precision):
+    """The lifting layer's pooled mixing in one kernel each way (triton_ops.pooled_mix, the
+    default on CUDA) against the torch path: values and the coefficients' gradients."""
+    from rstmodel.layers import triton_ops
+
+    lift = LiftingRSTConv(1, 69, SPEC, method="basis").to(device)
+    with torch.no_grad():
+        lift.bias.normal_()
+    x = torch.randn(4, 1, 56, 56, device=device)
+    grad_out = torch.randn(4, 69, 8, 4, 28, 28, device=device)
+    results = []
+    for kernels in ("torch", "triton"):
+        monkeypatch.setenv(triton_ops.ENV, kernels)
+        lift.weight.grad = lift.bias.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            y = lift.forward_pooled(x, relu=True)
+        (y.float() * grad_out).sum().backward()
+        results.append((y.detach().float(), lift.weight.grad.clone(), lift.bias.grad.clone()))
     tol = 1e-5 if precision == "fp32" else 2e-2
     for ref, got in zip(*results, strict=True):
         assert ((got - ref).norm() / ref.norm()).item() < tol

@@ -645,7 +645,7 @@ def test_fastpath_setting_flags_are_train_run_flags():
     direct = fastpath.Setting("d", "bf16", ConvMethod.DIRECT)
     assert direct.flags == ["--bf16", "--model-arg", "method='direct'"]
     assert set(fastpath.TRAIN_SETTINGS) < set(fastpath.EVAL_SETTINGS)
-    assert fastpath.Setting("e", "bf16", mix="gauss").env == {"RSTCNN_COMPLEX_MIX": "gauss"}
+    assert fastpath.Setting("e", "bf16", kernels="torch").env == {"RSTCNN_KERNELS": "torch"}
     assert fastpath.Setting("f", "bf16").env == {}
     for setting in fastpath.EVAL_SETTINGS:
         args = run.parse_args(["--model", "rst_cnn_fb", *setting.flags])

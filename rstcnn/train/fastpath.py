@@ -6,22 +6,22 @@
 For ``--model`` (default rst_cnn_fb) and the plain ``cnn`` baseline: the training step
 (forward, backward, Adam) at the training batch and evaluation at that batch and at batch 1,
 for each setting in ``TRAIN_SETTINGS`` / ``EVAL_SETTINGS``: float32, TF32 matrix products,
-bfloat16 autocast, the FFT path's frequency-wise mixing (one Triton kernel, the default on
-CUDA, against three cuBLAS products: ``bf16 gauss``; a setting's ``env`` line says what
-train/run.py then needs) and the convolution method (the automatic choice by multiply-adds,
-the per-scale direct form on cuDNN / oneDNN, TUNED: each layer times its forms on the first
-call). A setting that fails is recorded with its error and the grid goes on. ``--settings`` picks some of them (default: all). ``--profile`` then profiles the
-fastest training setting's step (torch.profiler: the GPU's busy fraction, kernel launches per
-step, the kernels and operators that take the time) into ``profile.md``. ``--compile`` also
-times ``torch.compile`` of that training step and of the fastest eval setting.
+bfloat16 autocast, the fast paths' fused Triton kernels (the default on CUDA) against
+torch's operators (``bf16 torch``), and the convolution method (the automatic choice by
+multiply-adds, the per-scale direct form on cuDNN / oneDNN, TUNED: each layer times its
+forms on the first call). A setting that fails is recorded with its error and the grid goes
+on. ``--settings`` picks some of them (default: all). ``--profile`` then profiles the
+fastest training setting's step (torch.profiler: the GPU's busy fraction, kernel launches
+per step, the kernels and operators that take the time) into ``profile.md``. ``--compile``
+also times ``torch.compile`` of that training step and of the fastest eval setting.
 ``--align-probe`` times each RST convolution of the model alone (forward and backward at the
 training batch, in the fastest training setting's precision and method) at its channel
 widths and at the widths rounded up to multiples of 8, into ``align.md``: whether padding
 the channels inside the layers (so that matrix products can use 16-byte-aligned tensor-core
-kernels) would pay for its extra multiply-adds. Prints a
-markdown table with the ratio of each figure to the CNN in the same setting, writes it and a
-JSON copy to ``--out``, and prints the fastest training setting as train/run.py flags on its
-``FLAGS: ...`` line and the environment it needs on the last (``ENV: ...``), which
+kernels) would pay for its extra multiply-adds. Prints a markdown table with the ratio of
+each figure to the CNN in the same setting, writes it and a JSON copy to ``--out``, and
+prints the fastest training setting as train/run.py flags (``FLAGS: ...``) and, on the last
+line, the environment it needs (``ENV: ...``, e.g. ``RSTCNN_KERNELS=torch``), which
 scripts/gpu_session.sh passes on.
 """
 
@@ -45,7 +45,7 @@ if __package__ in (None, ""):
 from rstcnn.train.config import add_model_arg
 from rstcnn.train.engine import use_tf32
 from rstmodel import create_model
-from rstmodel.layers import ConvMethod, complex_mix
+from rstmodel.layers import ConvMethod, triton_ops
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,9 @@ class Setting:
     name: str
     precision: str  # fp32, tf32 (TF32 tensor cores for float32 products), bf16 (autocast)
     method: ConvMethod = ConvMethod.AUTO
-    mix: str = "auto"  # the FFT path's mixing (RSTCNN_COMPLEX_MIX): auto, triton, gauss
+    # the fast paths' fused kernels (RSTCNN_KERNELS: auto, triton, torch); None: as the
+    # environment this process started with says
+    kernels: str | None = None
 
     @property
     def flags(self) -> list[str]:
@@ -66,15 +68,17 @@ class Setting:
     @property
     def env(self) -> dict[str, str]:
         """The environment train/run.py needs beside ``flags`` for this setting."""
-        return {} if self.mix == "auto" else {complex_mix.ENV: self.mix}
+        return {} if self.kernels is None else {triton_ops.ENV: self.kernels}
 
+
+_STARTED_WITH = os.environ.get(triton_ops.ENV)
 
 TRAIN_SETTINGS = (
     Setting("fp32", "fp32"),
     Setting("tf32", "tf32"),
     Setting("bf16", "bf16"),
-    # the FFT path's mixing as three cuBLAS products instead of one Triton kernel
-    Setting("bf16 gauss", "bf16", mix="gauss"),
+    # the fast paths in torch operators (cuBLAS products) instead of fused Triton kernels
+    Setting("bf16 torch", "bf16", kernels="torch"),
     Setting("tf32 direct", "tf32", ConvMethod.DIRECT),
     Setting("bf16 direct", "bf16", ConvMethod.DIRECT),
 )
@@ -104,8 +108,12 @@ def _timed(fn, device: torch.device, warmup: int, steps: int) -> float:
 
 
 def build(name: str, setting: Setting, overrides: dict, device: torch.device):
-    """A fresh model for ``setting``; sets the process's FFT mixing to the setting's."""
-    os.environ[complex_mix.ENV] = setting.mix
+    """A fresh model for ``setting``; sets the process's kernels to the setting's."""
+    kernels = setting.kernels or _STARTED_WITH
+    if kernels is None:
+        os.environ.pop(triton_ops.ENV, None)
+    else:
+        os.environ[triton_ops.ENV] = kernels
     torch.manual_seed(0)
     kwargs = dict(overrides)
     if name != "cnn":

@@ -43,14 +43,17 @@ if __package__ in (None, ""):
 
 from rstcnn.train.config import add_model_arg
 from rstcnn.train.fastpath import Setting, train_step
-from rstmodel.layers import complex_mix
+from rstmodel.layers import triton_ops
 
-complex_mix.register_flops()  # the FFT path's mixing kernel, one operator
+triton_ops.register_flops()  # the FFT path's mixing kernel, one operator
 
 H200_TFLOPS, H200_TBPS = 989.0, 4.8
 
 _KINDS = {
-    "matmul": {"mm", "bmm", "addmm", "baddbmm", "_addmm_activation", "dot", "mv", "complex_bmm"},
+    "matmul": {
+        "mm", "bmm", "addmm", "baddbmm", "_addmm_activation", "dot", "mv",
+        "complex_bmm", "pooled_mix", "pooled_mix_grad",  # rstmodel's fused kernels
+    },
     "conv": {"convolution", "convolution_backward", "cudnn_convolution", "_convolution"},
     "gather/copy": {
         "copy_", "clone", "_to_copy", "cat", "stack", "index_select", "gather", "index",

@@ -1,7 +1,8 @@
 """RST layers (paper eq. 4-5, "Implementation Details"): lifting and joint group
 convolutions, equivariant batch norm, pooling. One module per concern: ``common`` (method
 choices, shared helpers), ``conv`` (the convolutions), ``kernels`` (their fast-path
-autograd kernels), ``norm``, ``pooling`` and ``blocks`` (conv -> pool -> norm, fused where
+autograd kernels), ``triton_ops`` (fused CUDA kernels for two of those stages, the
+default on CUDA), ``norm``, ``pooling`` and ``blocks`` (conv -> pool -> norm, fused where
 it applies).
 
 Feature maps are ``[B, C, R, S, H, W]`` (see ``rstmodel.group``). Filters are expanded from

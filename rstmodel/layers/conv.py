@@ -19,8 +19,6 @@ from .common import (
     _time_path,
     fft_size,
 )
-from .complex_mix import complex_mix
-from .complex_mix import use_for as _use_complex_mix
 from .kernels import (
     _autocast_dtype,
     _GaussProduct,
@@ -31,6 +29,7 @@ from .kernels import (
     _RowGather,
 )
 from .pooling import _check_even
+from .triton_ops import complex_mix, pooled_mix, pooled_mix_fits, use_triton
 
 __all__ = ["LiftingRSTConv", "GroupRSTConv", "RSTPointwise"]
 
@@ -277,7 +276,11 @@ class LiftingRSTConv(_BasisConv):
         resp = self._responses(x)  # [H, W, R, S, B, Cin*K]
         rot, nsc, cout = self.spec.rotations, self.spec.num_scales, self.out_channels
         a = self.weight.reshape(cout, -1)  # [Cout, Cin*K]
-        y = _PooledMix.apply(resp.view(h, -1, a.shape[1]), a, self.bias, relu, w)
+        resp = resp.view(h, -1, a.shape[1])
+        if use_triton(resp) and not resp.requires_grad and pooled_mix_fits(resp):
+            y = pooled_mix(resp, a, self.bias, relu, w)  # one kernel each way
+        else:
+            y = _PooledMix.apply(resp, a, self.bias, relu, w)
         return y.view(h // 2, w // 2, rot, nsc, b, cout).permute(4, 5, 2, 3, 0, 1)
 
 
@@ -563,7 +566,7 @@ class GroupRSTConv(_BasisConv):
         # per frequency: [B', Cin*T] @ [Cin*T, Cout], complex; the bias enters at frequency
         # (0, 0), the first R'*S rows
         dc = (bias, filt_rot * nsc, float(nh * nw))
-        if _use_complex_mix(x_re):  # one Triton kernel
+        if use_triton(x_re):  # one Triton kernel
             g = self._cached(
                 f"fftc{nh}x{nw}r{filt_rot}", lambda: self.spectra(nh, nw, filt_rot, gauss=False)
             )

@@ -18,30 +18,16 @@ class _PooledMix(torch.autograd.Function):
     """``relu(maxpool2x2(resp @ a^T + bias))`` for spatial-major responses ``resp
     [H, W*M, K']`` (the lifting layer's basis path, M = R*S*B), two rows of H at a time:
     neither the full-resolution map nor its gradient is ever stored, only the pooled map
-    and a one-byte argmax (4: clamped by the ReLU). Returns ``[H/2, W/2, M, Cout]``."""
+    and a one-byte argmax (4: clamped by the ReLU). Returns ``[H/2, W/2, M, Cout]``.
+    (``triton_ops.pooled_mix`` is the same operator in one CUDA kernel each way.)"""
 
     @staticmethod
     def forward(ctx, resp: Tensor, a: Tensor, bias: Tensor | None, relu: bool, w: int):
-        h, wm, kk = resp.shape
-        m, cout = wm // w, a.shape[0]
         keep = any(ctx.needs_input_grad[:3])
         ctx.dtypes = a.dtype, None if bias is None else bias.dtype
-        # under autocast the responses come in bfloat16: compute in their dtype (out= and
-        # in-place ops are not autocast)
-        a = a.to(resp.dtype)
-        bias = None if bias is None else bias.to(resp.dtype)
-        out = resp.new_empty(h // 2, w // 2, m, cout)
-        idx = torch.empty(out.shape, dtype=torch.uint8, device=out.device) if keep else None
-        rows = resp.new_empty(2, wm, cout)  # one pair of full-resolution rows, reused
-        for i in range(h // 2):
-            torch.matmul(resp[2 * i : 2 * i + 2], a.t(), out=rows)
-            q = rows.view(2, w // 2, 2, m, cout)
-            quads = (q[0, :, 0], q[0, :, 1], q[1, :, 0], q[1, :, 1])
-            _, code = _pool_quads(*quads, out=out[i], bias=bias, relu=relu, argmax=keep)
-            if keep:
-                idx[i] = code
+        out, idx = _pooled_mix_rows(resp, a, bias, relu, w, keep)
         if keep:
-            ctx.save_for_backward(resp, a, idx)
+            ctx.save_for_backward(resp, a.to(resp.dtype), idx)
             ctx.w, ctx.has_bias = w, bias is not None
         return out
 
@@ -55,9 +41,7 @@ class _PooledMix(torch.autograd.Function):
         a_dtype, bias_dtype = ctx.dtypes
         grad_resp = resp.new_empty(resp.shape) if need_resp else None
         grad_a = a.new_zeros(a.shape, dtype=a_dtype) if need_a else None
-        grad_bias = None
-        if need_bias and ctx.has_bias:
-            grad_bias = (grad * (idx < 4)).sum(dim=(0, 1, 2)).to(bias_dtype)
+        grad_bias = _pooled_bias_grad(grad, idx, bias_dtype) if need_bias and ctx.has_bias else None
         rows = grad.new_empty(2, wm, cout)
         q = rows.view(2, w // 2, 2, m, cout)
         quads = (q[0, :, 0], q[0, :, 1], q[1, :, 0], q[1, :, 1])
@@ -68,6 +52,35 @@ class _PooledMix(torch.autograd.Function):
             if need_resp:
                 torch.matmul(rows, a, out=grad_resp[2 * i : 2 * i + 2])
         return grad_resp, grad_a, grad_bias, None, None
+
+
+def _pooled_mix_rows(
+    resp: Tensor, a: Tensor, bias: Tensor | None, relu: bool, w: int, argmax: bool
+) -> tuple[Tensor, Tensor | None]:
+    """``_PooledMix``'s forward: the pooled map ``[H/2, W/2, M, Cout]`` and, with ``argmax``,
+    the one-byte window positions, computed in ``resp``'s dtype two rows at a time (under
+    autocast the responses come in bfloat16; out= and in-place ops are not autocast)."""
+    h, wm, kk = resp.shape
+    m, cout = wm // w, a.shape[0]
+    a = a.to(resp.dtype)
+    bias = None if bias is None else bias.to(resp.dtype)
+    out = resp.new_empty(h // 2, w // 2, m, cout)
+    idx = torch.empty(out.shape, dtype=torch.uint8, device=out.device) if argmax else None
+    rows = resp.new_empty(2, wm, cout)  # one pair of full-resolution rows, reused
+    for i in range(h // 2):
+        torch.matmul(resp[2 * i : 2 * i + 2], a.t(), out=rows)
+        q = rows.view(2, w // 2, 2, m, cout)
+        quads = (q[0, :, 0], q[0, :, 1], q[1, :, 0], q[1, :, 1])
+        _, code = _pool_quads(*quads, out=out[i], bias=bias, relu=relu, argmax=argmax)
+        if argmax:
+            idx[i] = code
+    return out, idx
+
+
+def _pooled_bias_grad(grad: Tensor, idx: Tensor, dtype: torch.dtype) -> Tensor:
+    """The bias's gradient through the pool and ReLU: the pooled gradient where the ReLU
+    let the window's maximum through (argmax code < 4)."""
+    return (grad * (idx < 4)).sum(dim=(0, 1, 2)).to(dtype)
 
 
 class _GaussProduct(torch.autograd.Function):

@@ -1,4 +1,4 @@
-"""The FFT path's Triton mixing kernel (``rstmodel.layers.complex_mix``) against complex
+"""The FFT path's Triton mixing kernel (``rstmodel.layers.triton_ops``) against complex
 matrix products and against the three-product path it replaces on CUDA. Here it runs in
 Triton's interpreter on the CPU (the same kernel source; tests/test_cuda.py compiles it on a
 GPU)."""
@@ -13,7 +13,7 @@ import torch
 import rstmodel
 from rstmodel.basis import BasisFamily, BasisSpec
 from rstmodel.layers import GroupRSTConv, RotationTaps
-from rstmodel.layers import complex_mix as cm
+from rstmodel.layers import triton_ops as cm
 
 # a dev dependency (scripts/setup.sh installs it); not imported here, so that the fixture's
 # TRITON_INTERPRET is set before Triton is
@@ -79,7 +79,7 @@ def test_complex_bmm_rejects_float64_and_mismatched_shapes(interpret):
         cm.complex_bmm((y, y), (y, y))
 
 
-def test_complex_mix_gradients_equal_complex_autograd(interpret):
+def test_triton_ops_gradients_equal_complex_autograd(interpret):
     x = torch.randn(5, 9, 23, dtype=torch.complex128)
     g = torch.randn(5, 23, 17, dtype=torch.complex128)
     bias = torch.randn(17, dtype=torch.float64)
@@ -117,7 +117,7 @@ def test_fft_path_with_the_kernel_equals_three_products_with_gradients(
     x = torch.randn(2, 3, 4, 2, *size, requires_grad=True)
     grad_out = torch.randn(2, 5, 4, 2, *size)
     results = []
-    for mix in ("gauss", "triton"):
+    for mix in ("torch", "triton"):
         monkeypatch.setenv(cm.ENV, mix)
         x.grad = conv.weight.grad = conv.bias.grad = None
         y = conv.forward_fft(x, bias=conv.bias)
@@ -136,27 +136,27 @@ def test_model_under_bfloat16_autocast_agrees_with_three_products(interpret, mon
     kernel = cm.complex_bmm
     monkeypatch.setattr(cm, "complex_bmm", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     logits = {}
-    for mix in ("gauss", "triton"):
+    for mix in ("torch", "triton"):
         monkeypatch.setenv(cm.ENV, mix)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             logits[mix] = model(x).float()
         assert len(calls) == (2 if mix == "triton" else 0)  # once per group conv
     # two bfloat16 roundings of the same products: close, not equal
-    assert rel_err(logits["triton"], logits["gauss"]) < 3e-2
+    assert rel_err(logits["triton"], logits["torch"]) < 3e-2
 
 
 def test_the_choice_of_mixing(monkeypatch):
     x = torch.zeros(2, 2)
     monkeypatch.delenv(cm.ENV, raising=False)
-    assert not cm.use_for(x)  # auto: CUDA only
+    assert not cm.use_triton(x)  # auto: CUDA only
     monkeypatch.setenv(cm.ENV, "triton")
-    assert cm.use_for(x)
-    assert not cm.use_for(x.double())  # float64 always takes the three products
-    monkeypatch.setenv(cm.ENV, "gauss")
-    assert not cm.use_for(x)
+    assert cm.use_triton(x)
+    assert not cm.use_triton(x.double())  # float64 always takes the three products
+    monkeypatch.setenv(cm.ENV, "torch")
+    assert not cm.use_triton(x)
     monkeypatch.setenv(cm.ENV, "fast")
-    with pytest.raises(ValueError, match="auto, triton or gauss"):
-        cm.use_for(x)
+    with pytest.raises(ValueError, match="auto, triton or torch"):
+        cm.use_triton(x)
 
 
 def test_torch_stand_in_of_the_kernel_without_the_interpreter(monkeypatch):
@@ -177,7 +177,7 @@ def test_torch_stand_in_of_the_kernel_without_the_interpreter(monkeypatch):
     conv = GroupRSTConv(4, 6, SPEC)
     x = torch.randn(3, 4, 4, 2, 8, 8, requires_grad=True)
     results = []
-    for mix in ("gauss", "triton"):
+    for mix in ("torch", "triton"):
         monkeypatch.setenv(cm.ENV, mix)
         x.grad = conv.weight.grad = None
         y = conv.forward_fft(x, bias=conv.bias)
@@ -187,30 +187,45 @@ def test_torch_stand_in_of_the_kernel_without_the_interpreter(monkeypatch):
         assert rel_err(got, ref) < 1e-5
 
 
-def test_kernel_compiles_for_hopper(monkeypatch):
-    """Triton's compiler (ptxas ships in its wheel) builds every variant the FFT path
-    launches for an H100 / H200 (sm_90), no GPU needed: what the interpreter cannot show
-    (types, layouts, shared memory)."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+def compile_for_hopper(kernel, sig: dict, const: dict, warps: int = 4, stages: int = 3):
+    """Triton's compiler (ptxas ships in its wheel) builds ``kernel`` for an H100 / H200
+    (sm_90) without a GPU: what the interpreter cannot show (types, layouts, registers,
+    shared memory)."""
     import triton
-    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernel, tuned = cm._kernels()
-    assert tuned is not None  # compiled mode: the autotuned form exists
+    sig = sig | {c: "constexpr" for c in const}
+    out = triton.compile(
+        ASTSource(fn=kernel, signature=sig, constexprs=const),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=warps, num_stages=stages),
+    )
+    assert len(out.asm["cubin"]) > 10_000
+    assert out.metadata.shared <= 227 * 1024  # fits a Hopper SM's shared memory
+    return out
+
+
+def test_kernels_compile_for_hopper(monkeypatch):
+    """Every variant the fast paths launch, in bfloat16 and float32 (TF32 or not), with
+    each autotuning configuration of the mixing kernel."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    import triton.language as tl
+
+    kernels = cm._kernels()
+    assert kernels.cbmm_tuned is not None  # compiled mode: the autotuned form exists
     pointers = ["a_re", "a_im", "b_re", "b_im", "c_re", "c_im", "bias"]
     ints = ["M", "N", "K", "dc_rows"]
     strides = [
-        f"s_{t}{d}" for t in "abc" for d in ("fmk" if t == "a" else "fkn" if t == "b" else "fmn")
+        f"s_{t}{d}" for t, dims in zip("abc", ("fmk", "fkn", "fmn"), strict=True) for d in dims
     ]
-    variants = [  # forward (with a bias), dL/dx, dL/dG; bfloat16 and float32 (TF32 or not)
+    variants = [  # forward (with a bias), dL/dx, dL/dG
         (1, 1, True, "bf16", "ieee"),
         (1, -1, False, "bf16", "ieee"),
         (-1, 1, False, "fp32", "ieee"),
         (1, 1, False, "fp32", "tf32"),
     ]
-    configs = [(c.kwargs, c.num_warps, c.num_stages) for c in cm_configs()]
+    configs = [(c.kwargs, c.num_warps, c.num_stages) for c in kernels.CONFIGS]
     for (sa, sb, bias, dt, prec), (blocks, warps, stages) in zip(
         variants * 2, configs, strict=True
     ):
@@ -218,20 +233,15 @@ def test_kernel_compiles_for_hopper(monkeypatch):
         sig |= {s: "i64" for s in strides}
         const = dict(SIGN_A=sa, SIGN_B=sb, HAS_BIAS=bias, PRECISION=prec, WIDEN=False, **blocks)
         const["DOT_DTYPE"] = tl.bfloat16 if dt == "bf16" else tl.float32
-        sig |= {c: "constexpr" for c in const}
-        out = triton.compile(
-            ASTSource(fn=kernel, signature=sig, constexprs=const),
-            target=GPUTarget("cuda", 90, 32),
-            options=dict(num_warps=warps, num_stages=stages),
-        )
-        assert len(out.asm["cubin"]) > 10_000
-        assert out.metadata.shared <= 227 * 1024  # fits a Hopper SM's shared memory
-
-
-def cm_configs():
-    from rstmodel.layers import _cbmm_triton
-
-    return _cbmm_triton.CONFIGS
+        compile_for_hopper(kernels.cbmm_kernel, sig, const, warps, stages)
+    for dt, dot in (("bf16", tl.bfloat16), ("fp32", tl.float32)):
+        sizes = {i: "i32" for i in ("W", "M", "N", "K")}
+        common = dict(DOT_DTYPE=dot, PRECISION="ieee", WIDEN=False, BM=32, BN=128, BK=16)
+        sig = {"resp": f"*{dt}", "a": "*fp32", "bias": "*fp32", "out": f"*{dt}", "idx": "*u8"}
+        const = dict(HAS_BIAS=True, RELU=True, SAVE_IDX=True, **common)
+        compile_for_hopper(kernels.pooled_mix_kernel, sig | sizes, const)
+        sig = {"resp": f"*{dt}", "grad": f"*{dt}", "idx": "*u8", "part": "*fp32"}
+        compile_for_hopper(kernels.pooled_mix_grad_kernel, sig | sizes, common | {"ROWS_PER": 512})
 
 
 def test_step_cost_counts_the_operator_as_one_product():
@@ -244,3 +254,88 @@ def test_step_cost_counts_the_operator_as_one_product():
     tally = step_cost.count(lambda: cm.complex_bmm(*parts)).costs[("all", "matmul")]
     assert (tally.calls, tally.flops) == (1, 4 * 2 * 3 * 5 * 7 * 4)
     assert tally.bytes == 4 * (2 * 105 + 2 * 84 + 2 * 60)
+    resp, a = torch.randn(4, 6 * 5, 12), torch.randn(7, 12, requires_grad=True)
+    pooled = step_cost.count(lambda: cm.pooled_mix(resp, a, None, True, 6).sum().backward())
+    ops = {name: c for (_, name), c in pooled.ops.items()}
+    assert ops["pooled_mix"].flops == ops["pooled_mix_grad"].flops == 2 * 4 * 30 * 12 * 7
+    assert ops["pooled_mix"].bytes == 4 * (4 * 30 * 12 + 7 * 12 + 2 * 3 * 5 * 7) + 2 * 3 * 5 * 7
+
+
+# ---------------------------------------------------------------- the lifting layer's pool
+
+
+def pooled_both_ways(resp, a, bias, relu, w, grad):
+    """(out, grad a, grad bias) from the torch path and from ``pooled_mix``."""
+    from rstmodel.layers.kernels import _PooledMix
+
+    results = []
+    for fn in (_PooledMix.apply, cm.pooled_mix):
+        a.grad = None if a.grad is None else None
+        leaves = [a.detach().requires_grad_(True), bias.detach().requires_grad_(True)]
+        y = fn(resp, leaves[0], leaves[1], relu, w)
+        (y.float() * grad).sum().backward()
+        results.append((y.detach().float(), leaves[0].grad, leaves[1].grad))
+    return results
+
+
+@pytest.mark.parametrize(
+    "relu,n,rows_per",
+    [(True, 7, 512), (False, 7, 512), (True, 130, 512), (True, 7, 32)],
+    ids=["relu", "no-relu", "two-column-tiles", "rows-over-two-programs"],
+)
+def test_pooled_mix_equals_the_torch_path_with_gradients(interpret, monkeypatch, relu, n, rows_per):
+    monkeypatch.setattr(cm, "_GRAD_ROWS_PER", rows_per)
+    h, w, m, k = 4, 6, 37, 12  # M over one 32-row tile
+    resp, a, bias = torch.randn(h, w * m, k), torch.randn(n, k), torch.randn(n)
+    grad = torch.randn(h // 2, w // 2, m, n)
+    ref, got = pooled_both_ways(resp, a, bias, relu, w, grad)
+    for r, g in zip(ref, got, strict=True):
+        assert rel_err(g, r) < 1e-5
+
+
+def test_pooled_mix_in_bfloat16_rounds_like_the_torch_path(interpret):
+    h, w, m, k, n = 4, 4, 9, 36, 11  # K' = 36: three image channels
+    resp = torch.randn(h, w * m, k).bfloat16()
+    a, bias = torch.randn(n, k), torch.randn(n)
+    grad = torch.randn(h // 2, w // 2, m, n)
+    ref, got = pooled_both_ways(resp, a, bias, True, w, grad)
+    assert got[0].dtype == ref[0].dtype == torch.float32  # compared as float32 copies
+    # the same bfloat16 rounding of each window's products: the same maxima nearly everywhere
+    assert (got[0] == ref[0]).float().mean() > 0.95 and rel_err(got[0], ref[0]) < 1e-2
+    assert rel_err(got[1], ref[1]) < 2e-2 and rel_err(got[2], ref[2]) < 2e-2
+
+
+def test_pooled_mix_refuses_what_it_cannot_do():
+    a = torch.randn(3, 12)
+    with pytest.raises(ValueError, match="no gradient for the responses"):
+        cm.pooled_mix(torch.randn(2, 8, 12, requires_grad=True), a, None, True, 2)
+    with pytest.raises(ValueError, match="at most 64"):
+        cm.pooled_mix(torch.randn(2, 8, 65), torch.randn(3, 65), None, True, 2)
+
+
+@pytest.mark.parametrize("kernels", ["interpreter", "stand-in"])
+def test_lifting_layer_through_the_kernel_equals_torch_with_gradients(monkeypatch, kernels):
+    from rstmodel.layers import LiftingRSTConv
+
+    if kernels == "interpreter":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    conv = LiftingRSTConv(1, 6, SPEC, method="basis")
+    with torch.no_grad():
+        conv.bias.normal_()
+    x = torch.randn(2, 1, 8, 8)
+    grad = torch.randn(2, 6, 4, 2, 4, 4)
+    calls = []
+    op = cm._pooled_mix_op
+    monkeypatch.setattr(cm, "_pooled_mix_op", lambda *a: calls.append(1) or op(*a))
+    results = []
+    for mix in ("torch", "triton"):
+        monkeypatch.setenv(cm.ENV, mix)
+        conv.weight.grad = conv.bias.grad = None
+        y = conv.forward_pooled(x, relu=True)
+        (y * grad).sum().backward()
+        results.append((y.detach(), conv.weight.grad.clone(), conv.bias.grad.clone()))
+    assert calls == [1]
+    for ref, got in zip(*results, strict=True):
+        assert rel_err(got, ref) < 1e-5
