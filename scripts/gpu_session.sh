@@ -26,6 +26,8 @@
 # 4. train/k_sweep.py --report: the basis-size sweep's table and plot (accuracy against eval
 #    time on this card) from the record; its runs are shards like any other, e.g.
 #    SHARDS="rst_cnn_fb_k6,rst_cnn_fb_k9@3 rst_cnn_fb_k17,rst_cnn_fb_ref@3".
+#    Beside them, the shipped rst_cnn_fb on 4,096 test images (KERNEL_CHECK_LIMIT) through the
+#    fused Triton kernels and through torch's operators (logs/kernels-check-*.json).
 # Comes back in $OUT: logs.tgz (logs/; fastpath/: fastpath.md, fastpath.json, profile.md,
 # align.md, step-cost.md; k-sweep/: sweep.md, sweep.json, accuracy-vs-time.png), record.tgz
 # (RESULTS: each finished run's summary and metrics, kept as each run finishes), split-check.tgz, and
@@ -51,8 +53,9 @@ SHARDS="${SHARDS:-rot_cnn@0-0 rot_cnn@1-1 rot_cnn@2-2 rst_cnn_fb@1-1 rst_cnn_fb@
 # and with the torch operators they replace (the faster one trains the shards below)
 FASTPATH_SETTINGS="${FASTPATH_SETTINGS:-bf16;bf16 torch}"
 # e.g. "--profile --compile --align-probe" (the compile alone can take minutes)
-FASTPATH_ARGS="${FASTPATH_ARGS-}"
-FASTPATH_TIMEOUT="${FASTPATH_TIMEOUT:-90}"
+# (default: the profile, so that the fused kernels' own times come back in profile.md)
+FASTPATH_ARGS="${FASTPATH_ARGS---profile}"
+FASTPATH_TIMEOUT="${FASTPATH_TIMEOUT:-150}"
 # a second fast-path run at these widths (e.g. "(72,136,208)", rst_cnn_fb's rounded up to 8):
 # the whole training step with aligned channels, beside align.md's per-layer probe
 FASTPATH_ALIGNED="${FASTPATH_ALIGNED:-}"
@@ -64,6 +67,11 @@ SPLIT_CHECKPOINT="${SPLIT_CHECKPOINT-models/rst_cnn_fb.pt}"  # empty: no split c
 SPLIT_SERVED="${SPLIT_SERVED:-models/rst_cnn_fb.int8.onnx models/rst_cnn_fb.pt}"  # in turn
 SPLIT_THREADS="${SPLIT_THREADS:-6}"
 SPLIT_LIMIT="${SPLIT_LIMIT:-}"       # only the last N test images (empty: the whole split)
+# the shipped rst_cnn_fb (KERNEL_CHECK_CHECKPOINT) on its first N test images with and without
+# the fused kernels
+# (logs/kernels-check-{torch,triton}.json; empty: skip)
+KERNEL_CHECK_LIMIT="${KERNEL_CHECK_LIMIT-4096}"
+KERNEL_CHECK_CHECKPOINT="${KERNEL_CHECK_CHECKPOINT:-models/rst_cnn_fb.pt}"
 # the protocol's precision, fixed (not taken from this call's fastest setting): a resumed run
 # must keep the settings it began with, and every recorded run so far is bfloat16 autocast
 REPRO_FLAGS="${REPRO_FLAGS---bf16}"
@@ -199,6 +207,17 @@ if [[ -n "$SPLIT_CHECKPOINT" ]]; then
 fi
 if [[ "$DEVICE" == cuda ]]; then
     timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py >"$WORK/logs/test_cuda.log" 2>&1 &
+fi
+if [[ -n "$KERNEL_CHECK_LIMIT" ]]; then
+    # the shipped checkpoint on its own test images through the fused kernels and through
+    # torch's operators: the same accuracy, float32 and bf16 (train/precision_check.py each)
+    (
+        for kernels in torch triton; do
+            RSTCNN_KERNELS=$kernels timeout 120 "$PY" train/precision_check.py "$KERNEL_CHECK_CHECKPOINT" \
+                --device "$DEVICE" --limit "$KERNEL_CHECK_LIMIT" --data-root "$DATA_ROOT" \
+                --json "$WORK/logs/kernels-check-$kernels.json"
+        done
+    ) >"$WORK/logs/kernels-check.log" 2>&1 &
 fi
 stopped=0
 while :; do

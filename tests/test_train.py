@@ -204,7 +204,7 @@ def test_killed_and_interrupted_runs_resume_exactly(tmp_path, source, env):
         assert summary["test_acc"] == json.loads((whole / "summary.json").read_text())["test_acc"]
 
 
-def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
+def test_gpu_session_script_dry_run_on_cpu(tmp_path, source, pipelines_run):
     """scripts/gpu_session.sh, what a lent GPU machine runs, on the CPU with a tiny budget:
     it renders the protocol's realisations, times and profiles the fast path, runs the
     protocol's shards side by side with its flags into the committed record, carries an
@@ -231,6 +231,8 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
         "SPLIT_LIMIT": "8",  # the served file against its checkpoint on the last 8 test images
         "SPLIT_THREADS": "1",
         "K_SWEEP_MODELS": "rst_cnn_fb",
+        "KERNEL_CHECK_LIMIT": "8",  # a checkpoint of this small source (the shipped one's is 70K)
+        "KERNEL_CHECK_CHECKPOINT": str(pipelines_run / "best.pt"),
     }
 
     def session(**more):
@@ -274,6 +276,14 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source):
         head = tar.extractfile("fastpath-aligned/fastpath.md").read().decode().splitlines()[0]
         assert head.endswith("rst_cnn_fb channels=(8, 8, 8)")  # the later --model-arg wins
         assert "| blocks.1.0 | (4, 6) |" in tar.extractfile("fastpath/align.md").read().decode()
+        # the shipped checkpoint with and without the fused kernels (here their stand-ins)
+        if bf16_supported("cpu"):
+            names = [f"logs/kernels-check-{k}.json" for k in ("torch", "triton")]
+            checks = [json.load(tar.extractfile(name)) for name in names]
+            assert [c["images"] for c in checks] == [8, 8]
+            assert checks[0]["fp32_acc"] == checks[1]["fp32_acc"]
+        else:
+            assert "no native bfloat16" in tar.extractfile("logs/kernels-check.log").read().decode()
     assert [(r["model"], r["trials"]) for r in sweep["rows"]] == [("rst_cnn_fb", 1)]
     assert "k sweep: Verdict: no verdict yet" in log
     runs = sorted(p.name for p in (record / "runs").iterdir())
