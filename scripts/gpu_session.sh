@@ -12,6 +12,8 @@
 #    launches, the kernels that take the time), each RST conv alone at its widths and at
 #    widths rounded up to 8 (align.md: does aligning pay?) and torch.compile of that step;
 #    FASTPATH_ALIGNED: the grid again at other widths (the runs below train with REPRO_FLAGS);
+#    train/step_cost.py (STEP_COST_ARGS) and train/kernel_probe.py (KERNEL_PROBE_ARGS: each
+#    RST conv alone with the fused Triton kernels and with torch's operators, kernels.md);
 # 3. the paper's protocol (train/reproduce.py --budget REPRO_BUDGET, N_tr REPRO_SIZES) as
 #    SHARDS side by side, each shard one process with its own --deadline (a run cut off keeps
 #    last.pt and resumes next time from its resume-<run>.tgz), plus tests/test_cuda.py.
@@ -28,7 +30,7 @@
 #    SHARDS="rst_cnn_fb_k6,rst_cnn_fb_k9@3 rst_cnn_fb_k17,rst_cnn_fb_ref@3".
 #    Beside them, the shipped rst_cnn_fb on 4,096 test images (KERNEL_CHECK_LIMIT) through the
 #    fused Triton kernels and through torch's operators (logs/kernels-check-*.json).
-# Comes back in $OUT: logs.tgz (logs/; fastpath/: fastpath.md, fastpath.json, profile.md,
+# Comes back in $OUT: logs.tgz (logs/; fastpath/: fastpath.md, fastpath.json, profile.md, kernels.md,
 # align.md, step-cost.md; k-sweep/: sweep.md, sweep.json, accuracy-vs-time.png), record.tgz
 # (RESULTS: each finished run's summary and metrics, kept as each run finishes), split-check.tgz, and
 # resume-<run>.tgz (each unfinished run's folder: unpack all into .gpu_resume/ and carry the
@@ -62,6 +64,9 @@ FASTPATH_ALIGNED="${FASTPATH_ALIGNED:-}"
 # train/step_cost.py: FLOPs and bytes moved by one bf16 training step, counted on this device,
 # and the floor they set at the card's peaks (empty: skip)
 STEP_COST_ARGS="${STEP_COST_ARGS---batch 128 --bf16}"
+# train/kernel_probe.py: each RST convolution alone, fused kernels against torch's operators
+# (time, bytes moved, GB/s; fastpath/kernels.md; empty: skip)
+KERNEL_PROBE_ARGS="${KERNEL_PROBE_ARGS---batch 128 --bf16}"
 K_SWEEP_MODELS="${K_SWEEP_MODELS-rst_cnn_fb_k6 rst_cnn_fb_k9 rst_cnn_fb rst_cnn_fb_k17 rst_cnn_fb_ref}"
 SPLIT_CHECKPOINT="${SPLIT_CHECKPOINT-models/rst_cnn_fb.pt}"  # empty: no split check
 SPLIT_SERVED="${SPLIT_SERVED:-models/rst_cnn_fb.int8.onnx models/rst_cnn_fb.pt}"  # in turn
@@ -152,6 +157,12 @@ print("%.2f" % (rows[0]["train_s"] * 1e3) if rows else "")' "$WORK/fastpath/fast
     timeout "$FASTPATH_TIMEOUT" "$PY" train/step_cost.py --device "$DEVICE" $STEP_COST_ARGS \
         ${measured:+--measured-ms "$measured"} --out "$WORK/fastpath/step-cost.md" \
         >"$WORK/logs/step-cost.log" 2>&1 || log "step_cost exit $?"
+fi
+if [[ -n "$KERNEL_PROBE_ARGS" ]]; then
+    # each RST convolution alone with and without the fused kernels: time, bytes, GB/s
+    # shellcheck disable=SC2086
+    timeout "$FASTPATH_TIMEOUT" "$PY" train/kernel_probe.py --device "$DEVICE" $KERNEL_PROBE_ARGS \
+        --out "$WORK/fastpath/kernels.md" >"$WORK/logs/kernel-probe.log" 2>&1 || log "kernel_probe exit $?"
 fi
 if [[ -n "$FASTPATH_ALIGNED" ]]; then
     aligned_args="${FASTPATH_ARGS//--profile/}" aligned_args="${aligned_args//--compile/}"

@@ -231,6 +231,7 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source, pipelines_run):
         "SPLIT_LIMIT": "8",  # the served file against its checkpoint on the last 8 test images
         "SPLIT_THREADS": "1",
         "K_SWEEP_MODELS": "rst_cnn_fb",
+        "KERNEL_PROBE_ARGS": "--batch 2 --steps 1 --bf16 --model-arg channels=(4,6,8)",
         "KERNEL_CHECK_LIMIT": "8",  # a checkpoint of this small source (the shipped one's is 70K)
         "KERNEL_CHECK_CHECKPOINT": str(pipelines_run / "best.pt"),
     }
@@ -276,6 +277,7 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source, pipelines_run):
         head = tar.extractfile("fastpath-aligned/fastpath.md").read().decode().splitlines()[0]
         assert head.endswith("rst_cnn_fb channels=(8, 8, 8)")  # the later --model-arg wins
         assert "| blocks.1.0 | (4, 6) |" in tar.extractfile("fastpath/align.md").read().decode()
+        assert "| blocks.2.0 |" in tar.extractfile("fastpath/kernels.md").read().decode()
         # the shipped checkpoint with and without the fused kernels (here their stand-ins)
         if bf16_supported("cpu"):
             names = [f"logs/kernels-check-{k}.json" for k in ("torch", "triton")]
@@ -880,3 +882,21 @@ def test_step_cost_of_a_training_step_by_layer(tmp_path, capsys):
     forward_gflop = sum(c.flops for c in forward.values()) / 1e9
     assert 2.0 * forward_gflop < step_gflop <= 3.0 * forward_gflop + 0.1
     assert "measured 10.00 ms per step" in text
+
+
+def test_kernel_probe_times_and_counts_each_layer_both_ways(tmp_path, capsys):
+    """train/kernel_probe.py on the CPU (the kernels' torch stand-ins): one row per RST
+    convolution, each timed and counted with and without the fused kernels; the fused
+    operators move fewer bytes than the torch ones they replace."""
+    from rstcnn.train import kernel_probe
+
+    out = tmp_path / "kernels.md"
+    argv = ["--device", "cpu", "--batch", "2", "--steps", "1", "--bf16"]
+    assert kernel_probe.main([*argv, "--model-arg", "channels=(4,6,8)", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert capsys.readouterr().out.endswith(text)  # printed, then written
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| blocks")]
+    assert [r[0] for r in rows] == ["| blocks.0.0", "| blocks.1.0", "| blocks.2.0"]
+    for r in rows:
+        assert float(r[1]) > 0 and float(r[4]) > 0  # both timed
+        assert float(r[5]) < float(r[2])  # the fused operators' bytes: fewer

@@ -45,7 +45,7 @@ if __package__ in (None, ""):
 from rstcnn.train.config import add_model_arg
 from rstcnn.train.engine import use_tf32
 from rstmodel import create_model
-from rstmodel.layers import ConvMethod, triton_ops
+from rstmodel.layers import ConvMethod, GroupRSTConv, LiftingRSTConv, triton_ops
 
 
 @dataclass(frozen=True)
@@ -297,15 +297,9 @@ def _round_up(n: int, multiple: int = 8) -> int:
     return -(-n // multiple) * multiple
 
 
-def align_probe(args: argparse.Namespace, row: dict) -> str:
-    """Markdown: each RST convolution of ``args.model`` alone, at its widths and at the
-    widths rounded up to multiples of 8 (module docstring)."""
-    from rstmodel.layers import GroupRSTConv, LiftingRSTConv
-
-    setting, device = setting_of(row), torch.device(args.device)
-    model = build(args.model, setting, args.model_args, device).eval()
-    cfg = model.config
-    shapes: dict[str, tuple] = {}
+def layer_inputs(model: torch.nn.Module, device: torch.device) -> dict[str, tuple[int, ...]]:
+    """The input shape of every RST convolution of ``model`` (at batch 2), by module name."""
+    shapes: dict[str, tuple[int, ...]] = {}
 
     def remember(name: str):
         def hook(module, inputs) -> None:  # returns None: the inputs stay as they are
@@ -314,14 +308,24 @@ def align_probe(args: argparse.Namespace, row: dict) -> str:
         return hook
 
     hooks = [
-        m.register_forward_pre_hook(remember(n))
-        for n, m in model.named_modules()
-        if isinstance(m, (LiftingRSTConv, GroupRSTConv))
+        module.register_forward_pre_hook(remember(name))
+        for name, module in model.named_modules()
+        if isinstance(module, (LiftingRSTConv, GroupRSTConv))
     ]
+    cfg = model.config
     with torch.no_grad():
         model(torch.zeros(2, cfg.in_channels, cfg.input_size, cfg.input_size, device=device))
     for hook in hooks:
         hook.remove()
+    return shapes
+
+
+def align_probe(args: argparse.Namespace, row: dict) -> str:
+    """Markdown: each RST convolution of ``args.model`` alone, at its widths and at the
+    widths rounded up to multiples of 8 (module docstring)."""
+    setting, device = setting_of(row), torch.device(args.device)
+    model = build(args.model, setting, args.model_args, device).eval()
+    shapes = layer_inputs(model, device)
     autocast = torch.autocast(
         device.type, dtype=torch.bfloat16, enabled=setting.precision == "bf16"
     )
