@@ -120,6 +120,11 @@ def test_batch_norm_keeps_float_statistics_for_bfloat16_input():
     torch.testing.assert_close(low.running_mean, ref.running_mean, rtol=1e-2, atol=1e-3)
     torch.testing.assert_close(low.running_var, ref.running_var, rtol=1e-2, atol=1e-3)
     assert (y_low.float() - y_ref).abs().max() < 0.05
+    # the map itself stays bfloat16 (half the bytes written, and read by the next layer);
+    # float32 maps stay float32, in training and in eval
+    assert y_low.dtype == torch.bfloat16 and y_ref.dtype == torch.float32
+    low.eval()
+    assert low(spatial_major(x.bfloat16())).dtype == torch.bfloat16
 
 
 def spatial_major(x: torch.Tensor) -> torch.Tensor:
