@@ -1,7 +1,12 @@
 """One-off: the shipped rst_cnn_fb, eval under bf16 autocast at a sweep's batch of 22 and at
 batch 1, with the batch norm's map in bfloat16 (this session) and in float32 (before),
 alternating in one process, median of 5 per figure after a warm-up."""
-import statistics, time, torch
+
+import statistics
+import time
+
+import torch
+
 from rstmodel import load_checkpoint
 from rstmodel.layers import norm
 
@@ -9,9 +14,6 @@ model, _ = load_checkpoint("models/rst_cnn_fb.pt")
 model.eval()
 new = norm.RSTBatchNorm._forward_rows
 
-def old(self, x):
-    y = new(self, x)
-    return y.float() if x.dtype == torch.bfloat16 else y  # float32 out, as before (+ a cast)
 
 def old_exact(self, x):  # the code before, verbatim arithmetic
     if self.training or not self.track_running_stats:
@@ -19,6 +21,7 @@ def old_exact(self, x):  # the code before, verbatim arithmetic
     scale = torch.rsqrt(self.running_var + self.eps) * self.weight
     shift = -self.running_mean * scale + self.bias
     return torch.addcmul(shift, x, scale)
+
 
 torch.manual_seed(0)
 for batch in (22, 1):
@@ -28,7 +31,9 @@ for batch in (22, 1):
         for rnd in range(6):
             for label, fn in (("bf16 map (new)", new), ("float32 map (before)", old_exact)):
                 norm.RSTBatchNorm._forward_rows = fn
-                t = time.perf_counter(); model(x); dt = time.perf_counter() - t
+                t = time.perf_counter()
+                model(x)
+                dt = time.perf_counter() - t
                 if rnd:
                     times[label].append(dt)
     for label, ts in times.items():
