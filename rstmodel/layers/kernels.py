@@ -34,24 +34,35 @@ class _PooledMix(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         resp, a, idx = ctx.saved_tensors
-        w = ctx.w
-        h, wm, kk = resp.shape
-        m, cout = wm // w, a.shape[0]
         need_resp, need_a, need_bias = ctx.needs_input_grad[:3]
         a_dtype, bias_dtype = ctx.dtypes
-        grad_resp = resp.new_empty(resp.shape) if need_resp else None
-        grad_a = a.new_zeros(a.shape, dtype=a_dtype) if need_a else None
+        grad_resp, grad_a = _pooled_mix_grads(
+            resp, grad, idx, ctx.w, a if need_resp else None, a_dtype if need_a else None
+        )
         grad_bias = _pooled_bias_grad(grad, idx, bias_dtype) if need_bias and ctx.has_bias else None
-        rows = grad.new_empty(2, wm, cout)
-        q = rows.view(2, w // 2, 2, m, cout)
-        quads = (q[0, :, 0], q[0, :, 1], q[1, :, 0], q[1, :, 1])
-        for i in range(h // 2):
-            _unpool_quads(grad[i], idx[i], quads)
-            if need_a:  # accumulated in the weight's dtype
-                grad_a += rows.view(-1, cout).t() @ resp[2 * i : 2 * i + 2].reshape(-1, kk)
-            if need_resp:
-                torch.matmul(rows, a, out=grad_resp[2 * i : 2 * i + 2])
         return grad_resp, grad_a, grad_bias, None, None
+
+
+def _pooled_mix_grads(
+    resp: Tensor, grad: Tensor, idx: Tensor, w: int, a: Tensor | None, a_dtype: torch.dtype | None
+) -> tuple[Tensor | None, Tensor | None]:
+    """``_PooledMix``'s gradients from the pooled gradient and the argmax, two rows at a
+    time: the responses' (where ``a`` is given) and the coefficients' [Cout, K'] (where
+    ``a_dtype`` is given, accumulated in it)."""
+    h, wm, kk = resp.shape
+    cout = grad.shape[-1]
+    grad_resp = resp.new_empty(resp.shape) if a is not None else None
+    grad_a = resp.new_zeros(cout, kk, dtype=a_dtype) if a_dtype is not None else None
+    rows = grad.new_empty(2, wm, cout)
+    q = rows.view(2, w // 2, 2, wm // w, cout)
+    quads = (q[0, :, 0], q[0, :, 1], q[1, :, 0], q[1, :, 1])
+    for i in range(h // 2):
+        _unpool_quads(grad[i], idx[i], quads)
+        if grad_a is not None:
+            grad_a += rows.view(-1, cout).t() @ resp[2 * i : 2 * i + 2].reshape(-1, kk)
+        if grad_resp is not None:
+            torch.matmul(rows, a, out=grad_resp[2 * i : 2 * i + 2])
+    return grad_resp, grad_a
 
 
 def _pooled_mix_rows(

@@ -42,7 +42,7 @@ import os
 import torch
 from torch import Tensor
 
-from .kernels import _dc_bias_grad, _pooled_bias_grad, _pooled_mix_rows
+from .kernels import _dc_bias_grad, _pooled_bias_grad, _pooled_mix_grads, _pooled_mix_rows
 
 __all__ = ["available", "complex_bmm", "complex_mix", "pooled_mix", "use_triton"]
 
@@ -338,15 +338,7 @@ def _pooled_mix_grad_op(resp: Tensor, grad: Tensor, idx: Tensor, w: int, n: int)
     h, wm, k = resp.shape
     m = wm // w
     if resp.device.type != "cuda" and not interpreting():  # the torch stand-in
-        grad_a = resp.new_zeros(n, k, dtype=torch.float32)
-        rows = grad.new_empty(2, wm, n)
-        q = rows.view(2, w // 2, 2, m, n)
-        quads = (q[0, :, 0], q[0, :, 1], q[1, :, 0], q[1, :, 1])
-        for i in range(h // 2):
-            for d, quad in enumerate(quads):
-                torch.mul(grad[i], idx[i] == d, out=quad)
-            grad_a += (rows.view(-1, n).t() @ resp[2 * i : 2 * i + 2].reshape(-1, k)).float()
-        return grad_a
+        return _pooled_mix_grads(resp, grad, idx, w, None, torch.float32)[1]
     pixels, rows_per, bn = (h // 2) * (w // 2), _GRAD_ROWS_PER, _pow2_block(n, 16, 128)
     chunks = -(-m // rows_per)  # rows of a pixel split over programs: more of them in flight
     part = resp.new_empty(pixels * chunks, n, k, dtype=torch.float32)
