@@ -870,6 +870,29 @@ def test_lifting_conv_fused_with_pooling_equals_conv_then_pool_with_gradients(re
         conv.forward_pooled(torch.randn(1, 3, 12, 12, dtype=F64), relu=relu)
 
 
+def test_lifting_conv_fused_without_grad_keeps_no_argmax_and_gives_the_same_map(monkeypatch):
+    """Under no_grad the weights still require grad (so autograd's needs_input_grad says
+    yes), but no backward can come: the fused pool must not compute or keep the argmax."""
+    import rstmodel.layers.conv as conv_module
+    from rstmodel.layers import kernels
+
+    conv = LiftingRSTConv(2, 3, SPEC, method="basis").to(F64)
+    x = torch.randn(2, 2, 12, 12, dtype=F64)
+    with_grad = conv.forward_pooled(x, relu=True).detach()
+    asked, original = [], kernels._pooled_mix_rows
+
+    def rows(resp, a, bias, relu, w, argmax):
+        asked.append(argmax)
+        return original(resp, a, bias, relu, w, argmax)
+
+    monkeypatch.setattr(conv_module, "_pooled_mix_rows", rows, raising=False)
+    monkeypatch.setattr(kernels, "_pooled_mix_rows", rows)
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            torch.testing.assert_close(conv.forward_pooled(x, relu=True), with_grad)
+    assert asked == [False, False]
+
+
 def test_rst_cnn_runs_the_lifting_block_fused_and_equal_to_the_plain_sequence():
     model = rstmodel.create_model("rst_cnn_fb", channels=(16, 4, 5)).to(F64).train()
     block = model.blocks[0]

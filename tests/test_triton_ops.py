@@ -293,6 +293,17 @@ def test_pooled_mix_equals_the_torch_path_with_gradients(interpret, monkeypatch,
         assert rel_err(g, r) < 1e-5
 
 
+def test_pooled_mix_without_grad_gives_the_same_map(interpret):
+    h, w, m, k, n = 4, 6, 5, 12, 7
+    resp, bias = torch.randn(h, w * m, k), torch.randn(n)
+    a = torch.randn(n, k, requires_grad=True)  # a weight: requires grad even in eval
+    with_grad = cm.pooled_mix(resp, a, bias, True, w)
+    assert with_grad.requires_grad
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            torch.testing.assert_close(cm.pooled_mix(resp, a, bias, True, w), with_grad.detach())
+
+
 def test_pooled_mix_in_bfloat16_rounds_like_the_torch_path(interpret):
     h, w, m, k, n = 4, 4, 9, 36, 11  # K' = 36: three image channels
     resp = torch.randn(h, w * m, k).bfloat16()

@@ -23,6 +23,7 @@ from .kernels import (
     _autocast_dtype,
     _GaussProduct,
     _InverseRealDFT2,
+    _pooled_mix_rows,
     _PooledMix,
     _quarter_turn_rows,
     _RealDFT2,
@@ -279,8 +280,10 @@ class LiftingRSTConv(_BasisConv):
         resp = resp.view(h, -1, a.shape[1])
         if use_triton(resp) and not resp.requires_grad and pooled_mix_fits(resp):
             y = pooled_mix(resp, a, self.bias, relu, w)  # one kernel each way
-        else:
+        elif torch.is_grad_enabled():
             y = _PooledMix.apply(resp, a, self.bias, relu, w)
+        else:  # no backward to come: no argmax to keep (the weights still require grad)
+            y, _ = _pooled_mix_rows(resp, a, self.bias, relu, w, argmax=False)
         return y.view(h // 2, w // 2, rot, nsc, b, cout).permute(4, 5, 2, 3, 0, 1)
 
 

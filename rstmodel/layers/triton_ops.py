@@ -401,6 +401,8 @@ def pooled_mix(resp: Tensor, a: Tensor, bias: Tensor | None, relu: bool, w: int)
         raise ValueError("pooled_mix gives no gradient for the responses: use _PooledMix")
     if not pooled_mix_fits(resp):
         raise ValueError(f"pooled_mix takes at most 64 responses per pixel, got {resp.shape[-1]}")
+    if not torch.is_grad_enabled():  # no backward to come: no argmax to keep
+        return _pooled_mix_op(resp, a, bias, relu, w, False)[0]
     return _PooledMixKernel.apply(resp, a, bias, relu, w)
 
 
