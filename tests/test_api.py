@@ -67,7 +67,7 @@ def test_health_models_and_docs(client):
         "max_pixels": MAX_PIXELS,
         "sweeps_running": 1,
         "sweeps_waiting": 8,
-        "classify_running": 4,
+        "classify_running": 8,
         "classify_waiting": 24,
     }
 

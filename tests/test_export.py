@@ -785,6 +785,37 @@ def test_eager_engine_is_the_exported_file_in_float32(rst_export):
     assert eager.source == str(checkpoint)
 
 
+def test_eager_engine_joins_concurrent_calls_with_the_same_answers(rst_export):
+    """Calls that arrive while the eager engine runs are joined into one forward pass
+    (serve.coalesce); each caller gets the logits its own images have alone."""
+    import threading
+
+    from rstcnn.serve.classifier import Classifier
+
+    eager = Classifier.from_checkpoint(rst_export[3], "fp32", max_batch=8)
+    rng = np.random.default_rng(2)
+    images = [
+        eager.normalize(rng.random((1, *eager.input_size), dtype=np.float32)) for _ in range(6)
+    ]
+    alone = [eager.run_logits(x) for x in images]
+    calls_before = len(eager._run.batches)
+    got = [None] * len(images)
+    start = threading.Barrier(len(images))
+
+    def classify(i):
+        start.wait()
+        got[i] = eager.run_logits(images[i])
+
+    threads = [threading.Thread(target=classify, args=(i,)) for i in range(len(images))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for want, have in zip(alone, got, strict=True):
+        np.testing.assert_allclose(have, want, atol=1e-5, rtol=1e-5)
+    assert len(eager._run.batches) - calls_before < len(images)  # some calls were joined
+
+
 def test_eager_bf16_is_served_only_with_its_own_passing_check(rst_export, tmp_path, caplog):
     import shutil
 

@@ -186,7 +186,7 @@ class Limits:
         *,
         sweeps: int = 1,
         sweep_queue: int = 8,
-        classify: int = 4,
+        classify: int = 8,
         classify_queue: int = 24,
         wait: float = 120.0,
     ):

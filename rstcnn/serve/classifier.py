@@ -267,10 +267,11 @@ class Classifier:
         ``precision`` "fp32" (exact), "bf16" (autocast; servable only with its recorded
         accuracy check) or "auto" (bf16 where the CPU has it and the check passed).
         ``threads``: torch's intra-op threads. ``max_batch``: images per forward pass
-        (the eager peak grows with it)."""
+        (the eager peak grows with it), a larger call in chunks; concurrent calls are
+        joined into passes of up to as many images (``serve.coalesce``)."""
         from .eager import load
 
-        run, metadata, providers = load(path, precision, threads)
+        run, metadata, providers = load(path, precision, threads, max_batch)
         classifier = cls(run, metadata, providers, max_batch=max_batch)
         classifier.source = str(path)
         return classifier

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .coalesce import Coalescer
+
 __all__ = ["PRECISIONS", "gate_path", "load", "read_gate", "write_gate"]
 
 log = logging.getLogger("serve.eager")
@@ -73,12 +75,17 @@ def read_gate(checkpoint: str | Path, digest: str) -> dict | None:
 
 
 def load(
-    checkpoint: str | Path, precision: str = "auto", threads: int | None = None
+    checkpoint: str | Path,
+    precision: str = "auto",
+    threads: int | None = None,
+    max_batch: int = 16,
 ) -> tuple[Callable[[np.ndarray], np.ndarray], dict[str, str], list[str]]:
     """``(run, metadata, providers)`` for ``Classifier``: ``run`` maps a normalised float32
-    ``[N, C, H, W]`` batch to float32 logits with the checkpoint's model in eval mode.
-    ``threads``: torch's intra-op threads (process-wide; default: torch's). Raises
-    ``ValueError`` for a missing or unreadable checkpoint or an unknown precision."""
+    ``[N, C, H, W]`` batch to float32 logits with the checkpoint's model in eval mode; calls
+    made while one runs are joined into batches of up to ``max_batch`` images
+    (``serve.coalesce``). ``threads``: torch's intra-op threads (process-wide; default:
+    torch's). Raises ``ValueError`` for a missing or unreadable checkpoint or an unknown
+    precision."""
     import torch
 
     from rstcnn.export.onnx_export import (
@@ -121,4 +128,7 @@ def load(
     metadata[QUARTER_TURNS] = json.dumps(invariant)
     if precision != "fp32":
         model.eval()  # drops the float32 filters that check cached (~1 GiB for rst_cnn_fb)
-    return (lambda batch: logits(batch, precision)), metadata, [f"torch-{precision}"]
+    # concurrent calls (the API's classifications) join into one batch: per image the
+    # engine costs less the larger the batch (serve.coalesce)
+    run = Coalescer(lambda batch: logits(batch, precision), max_images=max_batch)
+    return run, metadata, [f"torch-{precision}"]
