@@ -573,12 +573,11 @@ class GroupRSTConv(_BasisConv):
             g = self._cached(
                 f"fftc{nh}x{nw}r{filt_rot}", lambda: self.spectra(nh, nw, filt_rot, gauss=False)
             )
-            y_re, y_im = complex_mix(x_re, x_im, *g, *dc)  # [NFRS, B', Cout]
+            y = complex_mix(x_re, x_im, *g, *dc)  # [Re; Im], [2, NFRS, B', Cout]
         else:  # three real products
             g = self._cached(f"fft{nh}x{nw}r{filt_rot}", lambda: self.spectra(nh, nw, filt_rot))
-            y_re, y_im = _GaussProduct.apply(x_re, x_im, *g, *dc)
-        y_re, y_im = y_re.view(nh, -1), y_im.view(nh, -1)
-        y = _InverseRealDFT2.apply(y_re, y_im, shape)  # [H, W, R*S*B*Cout]
+            y = _GaussProduct.apply(x_re, x_im, *g, *dc)
+        y = _InverseRealDFT2.apply(y, shape)  # [H, W, R*S*B*Cout]
         if quarters > 1:  # turn each map forward again, rows back to (h, w, r, s)
             y = _RowGather.apply(y.view(-1, b * self.out_channels), *reversed(rows))
         return y.view(h, w, rot, nsc, b, self.out_channels).permute(4, 5, 2, 3, 0, 1)

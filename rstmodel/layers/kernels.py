@@ -97,8 +97,10 @@ def _pooled_bias_grad(grad: Tensor, idx: Tensor, dtype: torch.dtype) -> Tensor:
 class _GaussProduct(torch.autograd.Function):
     """Batched complex matrix products y = x G in three real ones (Gauss):
     m = (Re x + Im x) Re G, Re y = m - Im x (Re G + Im G), Im y = m + Re x (Im G - Re G).
-    Takes (Re x, Im x, Re G, Im G - Re G, Re G + Im G); saves only its inputs (the sum
-    Re x + Im x is recomputed in backward, which also runs in three products per term).
+    Takes (Re x, Im x, Re G, Im G - Re G, Re G + Im G) and returns ``[Re y; Im y]`` stacked,
+    ``[2, F, M, N]`` (what ``_InverseRealDFT2`` reads in one GEMM); saves only its inputs
+    (the sum Re x + Im x is recomputed in backward, which also runs in three products per
+    term).
 
     ``bias`` [Cout], if given, is added where it costs nothing: a map that is the constant c
     on the whole periodic nh x nw grid has the spectrum c nh nw at frequency (0, 0) and zero
@@ -120,14 +122,18 @@ class _GaussProduct(torch.autograd.Function):
         ctx.save_for_backward(x_re, x_im, g_re, g_diff, g_sum)
         ctx.dc_rows, ctx.dc_scale = dc_rows, dc_scale
         m = torch.bmm(x_re + x_im, g_re)
-        y_re = torch.baddbmm(m, x_im, g_sum, alpha=-1)
+        # out= is not autocast: the operands in m's dtype
+        x_re, x_im, g_diff, g_sum = (t.to(m.dtype) for t in (x_re, x_im, g_diff, g_sum))
+        y = m.new_empty(2, *m.shape)
+        torch.baddbmm(m, x_im, g_sum, alpha=-1, out=y[0])
         if bias is not None:
-            y_re[:dc_rows].add_(bias.to(y_re.dtype), alpha=dc_scale)
-        # in place into m (autocast does not cast in-place ops: match m's dtype)
-        return y_re, m.baddbmm_(x_re.to(m.dtype), g_diff.to(m.dtype))
+            y[0, :dc_rows].add_(bias.to(y.dtype), alpha=dc_scale)
+        torch.baddbmm(m, x_re, g_diff, out=y[1])
+        return y
 
     @staticmethod
-    def backward(ctx, dy_re: Tensor, dy_im: Tensor):
+    def backward(ctx, dy: Tensor):
+        dy_re, dy_im = dy[0], dy[1]
         dtype = dy_re.dtype  # under autocast the saved inputs may be wider than the grads
         x_re, x_im, g_re, g_diff, g_sum = (t.to(dtype) for t in ctx.saved_tensors)
         need = ctx.needs_input_grad
@@ -187,13 +193,11 @@ class _RealDFT2(torch.autograd.Function):
         x = x.to(dtype)
         m = x.shape[1] // w
         with torch.autocast(x.device.type, enabled=False):
-            # along H: a = sum_h x e^{-i 2 pi n h / nh}, [nh, W, M]
-            a_re = (dft.cos_h @ x).view(nh, w, m)
-            a_im = (dft.msin_h @ x).view(nh, w, m)
+            # along H: a = sum_h x e^{-i 2 pi n h / nh}, rows (n, re/im): [nh, 2W, M]
+            a = (dft.fwd_h @ x).view(nh, 2 * w, m)
             # along W: X = sum_w a e^{-i 2 pi f w / nw}, [nh, Fw, M]
-            cos_w, sin_w = dft.cos_w.expand(nh, fw, w), dft.sin_w.expand(nh, fw, w)
-            x_re = torch.bmm(cos_w, a_re).baddbmm_(sin_w, a_im)
-            x_im = torch.bmm(cos_w, a_im).baddbmm_(sin_w, a_re, alpha=-1)
+            x_re = torch.bmm(dft.fwd_w_re.expand(nh, fw, 2 * w), a)
+            x_im = torch.bmm(dft.fwd_w_im.expand(nh, fw, 2 * w), a)
         return x_re, x_im
 
     @staticmethod
@@ -203,32 +207,31 @@ class _RealDFT2(torch.autograd.Function):
         g_im = g_im.to(g_re.dtype)
         dft = _dft_matrices(h, w, nh, nw, g_re.dtype, g_re.device)
         m = g_re.shape[-1]
-        cos_w, sin_w = dft.cos_w.mT.expand(nh, w, fw), dft.sin_w.mT.expand(nh, w, fw)
-        ga_re = torch.bmm(cos_w, g_re).baddbmm_(sin_w, g_im, alpha=-1).view(nh, w * m)
-        ga_im = torch.bmm(sin_w, g_re).baddbmm_(cos_w, g_im).view(nh, w * m)
-        return (dft.cos_h.mT @ ga_re).addmm_(dft.msin_h.mT, ga_im), None
+        ga = torch.bmm(dft.fwd_w_re.mT.expand(nh, 2 * w, fw), g_re)
+        ga.baddbmm_(dft.fwd_w_im.mT.expand(nh, 2 * w, fw), g_im)  # [nh, 2W, M]
+        return dft.fwd_h.mT @ ga.view(2 * nh, w * m), None
 
 
 class _InverseRealDFT2(torch.autograd.Function):
-    """The inverse of ``_RealDFT2``'s transform, first H x W outputs only: ``(Re Y, Im Y)``,
-    each ``[nh, Fw*M]`` -> ``y [H, W, M]`` (real; the half spectrum stands for the whole by
-    Hermitian symmetry), four GEMMs each way, gradients accumulated in place."""
+    """The inverse of ``_RealDFT2``'s transform, first H x W outputs only: the spectrum
+    ``[Re Y; Im Y]`` stacked, ``[2, nh, Fw*M]`` (as the mixing returns it) -> ``y [H, W, M]``
+    (real; the half spectrum stands for the whole by Hermitian symmetry), one GEMM along
+    each axis each way (rows (h, re/im) between them)."""
 
     @staticmethod
-    def forward(ctx, y_re: Tensor, y_im: Tensor, shape: tuple[int, int, int, int]):
+    def forward(ctx, y: Tensor, shape: tuple[int, int, int, int]):
         h, w, nh, nw = ctx.shape = shape
         fw = nw // 2 + 1
-        dtype = _compute_dtype(y_re)
-        dft = _dft_matrices(h, w, nh, nw, dtype, y_re.device)
-        y_re, y_im = y_re.to(dtype), y_im.to(dtype)
-        m = y_re.shape[1] // fw
-        with torch.autocast(y_re.device.type, enabled=False):
-            # along H: z = sum_n y e^{+i 2 pi n h / nh}, [H, Fw, M]
-            z_re = (dft.inv_cos_h @ y_re).addmm_(dft.inv_sin_h, y_im, alpha=-1).view(h, fw, m)
-            z_im = (dft.inv_sin_h @ y_re).addmm_(dft.inv_cos_h, y_im).view(h, fw, m)
-            # along W, Hermitian weights folded into the matrices: [H, W, M]
-            cos_w, sin_w = dft.inv_cos_w.expand(h, w, fw), dft.inv_sin_w.expand(h, w, fw)
-            return torch.bmm(cos_w, z_re).baddbmm_(sin_w, z_im)
+        dtype = _compute_dtype(y)
+        dft = _dft_matrices(h, w, nh, nw, dtype, y.device)
+        ctx.in_shape = y.shape
+        y = y.to(dtype).reshape(2 * nh, -1)
+        m = y.shape[1] // fw
+        with torch.autocast(y.device.type, enabled=False):
+            # along H: z = sum_n y e^{+i 2 pi n h / nh}, rows (h, re/im): [H, 2Fw, M]
+            z = (dft.inv_h @ y).view(h, 2 * fw, m)
+            # along W, Hermitian weights folded into the matrix: [H, W, M]
+            return torch.bmm(dft.inv_w.expand(h, w, 2 * fw), z)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -236,12 +239,8 @@ class _InverseRealDFT2(torch.autograd.Function):
         fw = nw // 2 + 1
         dft = _dft_matrices(h, w, nh, nw, grad.dtype, grad.device)
         m = grad.shape[-1]
-        cos_w, sin_w = dft.inv_cos_w.mT.expand(h, fw, w), dft.inv_sin_w.mT.expand(h, fw, w)
-        gz_re = torch.bmm(cos_w, grad).view(h, fw * m)
-        gz_im = torch.bmm(sin_w, grad).view(h, fw * m)
-        g_re = (dft.inv_cos_h.mT @ gz_re).addmm_(dft.inv_sin_h.mT, gz_im)
-        g_im = (dft.inv_cos_h.mT @ gz_im).addmm_(dft.inv_sin_h.mT, gz_re, alpha=-1)
-        return g_re, g_im, None
+        gz = torch.bmm(dft.inv_w.mT.expand(h, 2 * fw, w), grad).view(2 * h, fw * m)
+        return (dft.inv_h.mT @ gz).view(ctx.in_shape), None
 
 
 class _RowGather(torch.autograd.Function):
@@ -307,6 +306,18 @@ class _DFTMatrices:
         self.inv_sin_h = cast(ang_h.sin().T)
         self.inv_cos_w = cast(ang_w.cos().T * weight * scale)  # [W, Fw]
         self.inv_sin_w = cast(-ang_w.sin().T * weight * scale)
+        # the same, joined so each step is one GEMM with twice the rows or the reduction:
+        # rows (n, re/im) along H forward, so each row n of the result is [Re a; Im a] ...
+        self.fwd_h = cast(torch.stack([ang_h.cos(), -ang_h.sin()], 1).flatten(0, 1))  # [2nh, H]
+        # ... which [cos, sin] and [-sin, cos] along W turn into Re X and Im X
+        cw, sw = ang_w.cos(), ang_w.sin()
+        self.fwd_w_re = cast(torch.cat([cw, sw], 1))  # [Fw, 2W]
+        self.fwd_w_im = cast(torch.cat([-sw, cw], 1))
+        # inverse along H from [Re Y; Im Y] to rows (h, re/im), then along W from [Re z; Im z]
+        ic, is_ = ang_h.cos().T, ang_h.sin().T  # [H, nh]
+        rows = torch.stack([torch.cat([ic, -is_], 1), torch.cat([is_, ic], 1)], 1)
+        self.inv_h = cast(rows.flatten(0, 1))  # [2H, 2nh]
+        self.inv_w = cast(torch.cat([cw.T, -sw.T], 1) * torch.cat([weight, weight]) * scale)
 
 
 @functools.lru_cache(maxsize=16)

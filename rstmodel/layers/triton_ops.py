@@ -114,13 +114,14 @@ def complex_bmm(
     dc_rows: int = 0,
     dc_scale: float = 1.0,
     blocks: tuple[int, int, int] | None = None,
-) -> tuple[Tensor, Tensor]:
+) -> Tensor:
     """Batched complex product ``op(a) @ op(b)`` over the leading axis, op = conj where
     asked: ``a`` = (Re, Im) each ``[F, M, K]``, ``b`` each ``[F, K, N]`` (any strides: a
     transposed view costs nothing). Computes in ``out_dtype`` (default: a's dtype), float32
     accumulation; float32 operands use TF32 where torch allows it for matmuls. ``bias``
     [N] times ``dc_scale`` is added to the real part of the first ``dc_rows`` frequencies.
-    Returns (Re, Im), each ``[F, M, N]`` contiguous.
+    Returns ``[Re; Im]`` stacked, ``[2, F, M, N]`` contiguous (``re, im = complex_bmm(...)``
+    unpacks it).
 
     The Triton kernel on CUDA and under the interpreter; elsewhere the same arithmetic in
     torch matrix products (``_reference_bmm``), so that the step's cost can be counted and
@@ -156,19 +157,19 @@ def _complex_bmm_op(
     dc_rows: int,
     dc_scale: float,
     blocks: list[int],
-) -> tuple[Tensor, Tensor]:
+) -> Tensor:
     f, m, k = a_re.shape
     n = b_re.shape[2]
-    c_re = a_re.new_empty((f, m, n), dtype=out_dtype)
-    c_im = a_re.new_empty((f, m, n), dtype=out_dtype)
+    c = a_re.new_empty((2, f, m, n), dtype=out_dtype)
+    c_re, c_im = c[0], c[1]
     if f == 0 or m == 0 or n == 0:
-        return c_re, c_im
+        return c
     if a_re.device.type != "cuda" and not interpreting():
         sa, sb = (-1 if conj_a else 1), (-1 if conj_b else 1)
         _reference_bmm(a_re, a_im, b_re, b_im, sa, sb, c_re, c_im)
         if bias is not None:
             c_re[:dc_rows] += (bias.float() * dc_scale).to(out_dtype)
-        return c_re, c_im
+        return c
     args = (
         a_re,
         a_im,
@@ -206,13 +207,12 @@ def _complex_bmm_op(
     else:
         bm, bn, bk = blocks or (_pow2_block(m, 16, 64), _pow2_block(n, 16, 64), 32)
         kernel[(f, -(-m // bm) * -(-n // bn))](*args, **flags, BM=bm, BN=bn, BK=bk)
-    return c_re, c_im
+    return c
 
 
 @_complex_bmm_op.register_fake
 def _(a_re, a_im, b_re, b_im, bias, conj_a, conj_b, out_dtype, dc_rows, dc_scale, blocks):
-    shape = (a_re.shape[0], a_re.shape[1], b_re.shape[2])
-    return a_re.new_empty(shape, dtype=out_dtype), a_re.new_empty(shape, dtype=out_dtype)
+    return a_re.new_empty((2, a_re.shape[0], a_re.shape[1], b_re.shape[2]), dtype=out_dtype)
 
 
 def _reference_bmm(a_re, a_im, b_re, b_im, sa: int, sb: int, c_re: Tensor, c_im: Tensor):
@@ -226,7 +226,8 @@ def _reference_bmm(a_re, a_im, b_re, b_im, sa: int, sb: int, c_re: Tensor, c_im:
 
 class _ComplexMix(torch.autograd.Function):
     """``y = x G`` per frequency (``complex_bmm``) with its gradients, each one kernel
-    launch; ``bias`` as ``_GaussProduct``'s (nh nw times the bias at frequency (0, 0))."""
+    launch; ``bias`` as ``_GaussProduct``'s (nh nw times the bias at frequency (0, 0)).
+    Returns ``[Re y; Im y]`` stacked, ``[2, F, M, N]``."""
 
     @staticmethod
     def forward(ctx, x_re, x_im, g_re, g_im, bias=None, dc_rows=0, dc_scale=1.0):
@@ -237,11 +238,11 @@ class _ComplexMix(torch.autograd.Function):
         )
 
     @staticmethod
-    def backward(ctx, dy_re: Tensor, dy_im: Tensor):
+    def backward(ctx, dy: Tensor):
         x_re, x_im, g_re, g_im = ctx.saved_tensors
         need = ctx.needs_input_grad
-        dtype = dy_re.dtype
-        dy_re, dy_im = dy_re.contiguous(), dy_im.to(dtype).contiguous()
+        dy = dy.contiguous()
+        dy_re, dy_im = dy[0], dy[1]
         dx_re = dx_im = dg_re = dg_im = dbias = None
         if need[0] or need[1]:
             dx_re, dx_im = complex_bmm((dy_re, dy_im), (g_re.mT, g_im.mT), conj_b=True)
@@ -262,9 +263,10 @@ def complex_mix(
     bias: Tensor | None = None,
     dc_rows: int = 0,
     dc_scale: float = 1.0,
-) -> tuple[Tensor, Tensor]:
-    """The FFT path's mixing ``(Re y, Im y) = x G`` per frequency: ``x`` [F, M, K] in the
-    compute dtype, ``G`` [F, K, N] (any float dtype; cast in registers). Differentiable."""
+) -> Tensor:
+    """The FFT path's mixing ``y = x G`` per frequency: ``x`` [F, M, K] in the compute
+    dtype, ``G`` [F, K, N] (any float dtype; cast in registers) -> ``[Re y; Im y]``,
+    ``[2, F, M, N]``. Differentiable."""
     return _ComplexMix.apply(x_re, x_im, g_re, g_im, bias, dc_rows, dc_scale)
 
 
