@@ -57,7 +57,7 @@ def test_a_lone_call_runs_at_once_and_unchanged():
     run = Coalescer(backend, max_images=8)
     x = np.arange(6, dtype=np.float32).reshape(3, 2)
     np.testing.assert_array_equal(run(x), x * 2)
-    assert backend.sizes == [3] and run.batches == [1]
+    assert backend.sizes == [3] and list(run.batches) == [1]
 
 
 def test_concurrent_calls_are_joined_and_each_caller_gets_its_own_rows():
@@ -100,6 +100,46 @@ def test_an_error_reaches_only_its_own_caller():
     np.testing.assert_array_equal(run(np.ones((2, 2), np.float32)), 2 * np.ones((2, 2)))
 
 
-def test_max_images_must_be_positive():
+def test_max_images_must_be_positive_and_linger_not_negative():
     with pytest.raises(ValueError, match="max_images"):
         Coalescer(lambda b: b, max_images=0)
+    with pytest.raises(ValueError, match="linger"):
+        Coalescer(lambda b: b, linger=-1.0)
+
+
+def closed_loop(run, clients: int, calls: int, think: float) -> None:
+    """``clients`` threads, each sending its next one-image call ``think`` s after the
+    answer to its last, as HTTP clients under a steady load do."""
+
+    def client(i):
+        for _ in range(calls):
+            run(np.full((1, 2), i, dtype=np.float32))
+            time.sleep(think)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+
+
+def test_linger_gathers_a_steady_load_into_fuller_batches():
+    sizes = {}
+    for linger in (0.0, 0.05):
+        backend = SlowBackend(0.03)
+        run = Coalescer(backend, max_images=4, linger=linger)
+        closed_loop(run, clients=4, calls=6, think=0.005)
+        assert sum(backend.sizes) == 24
+        sizes[linger] = backend.sizes
+    # without lingering, a caller answered first finds the engine idle and runs alone
+    assert len(sizes[0.05]) < len(sizes[0.0])
+    assert sum(s == 4 for s in sizes[0.05]) > sum(s == 4 for s in sizes[0.0])
+
+
+def test_a_lone_call_on_an_idle_engine_does_not_linger():
+    run = Coalescer(SlowBackend(0.0), max_images=4, linger=0.5)
+    run(np.ones((1, 2), np.float32))
+    time.sleep(0.6)  # longer than linger since the last run: idle
+    start = time.perf_counter()
+    run(np.ones((1, 2), np.float32))
+    assert time.perf_counter() - start < 0.25

@@ -237,9 +237,11 @@ def test_kernels_compile_for_hopper(monkeypatch):
     for dt, dot in (("bf16", tl.bfloat16), ("fp32", tl.float32)):
         sizes = {i: "i32" for i in ("W", "M", "N", "K")}
         common = dict(DOT_DTYPE=dot, PRECISION="ieee", WIDEN=False, BM=32, BN=128, BK=16)
-        sig = {"resp": f"*{dt}", "a": "*fp32", "bias": "*fp32", "out": f"*{dt}", "idx": "*u8"}
-        const = dict(HAS_BIAS=True, RELU=True, SAVE_IDX=True, **common)
-        compile_for_hopper(kernels.pooled_mix_kernel, sig | sizes, const)
+        for save_idx in (True, False):  # training; eval (the output stands in for idx)
+            sig = {"resp": f"*{dt}", "a": "*fp32", "bias": "*fp32", "out": f"*{dt}"}
+            sig["idx"] = "*u8" if save_idx else f"*{dt}"
+            const = dict(HAS_BIAS=True, RELU=True, SAVE_IDX=save_idx, **common)
+            compile_for_hopper(kernels.pooled_mix_kernel, sig | sizes, const)
         sig = {"resp": f"*{dt}", "grad": f"*{dt}", "idx": "*u8", "part": "*fp32"}
         compile_for_hopper(kernels.pooled_mix_grad_kernel, sig | sizes, common | {"ROWS_PER": 512})
 

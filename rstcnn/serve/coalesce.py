@@ -6,8 +6,11 @@ image in a batch of eight; BENCHMARKS.md). So when eight clients each ask for on
 pays to run their images together rather than one after another. ``Coalescer(run)`` is a
 drop-in for ``run``: a call that finds the backend busy waits, and the first waiting caller
 to find it free runs every call waiting by then, oldest first, as one batch of up to
-``max_images`` images, and hands each caller its own rows. No thread of its own, no timer:
-a lone caller runs at once, as before.
+``max_images`` images, and hands each caller its own rows. No thread of its own. Under a
+steady load the callers of one run send their next calls just after it ends, and the first of
+them would find the engine idle and run alone; ``linger`` (seconds) lets a run that starts
+within that time of the last one wait that long for more calls (until ``max_images`` wait).
+A lone caller on an idle engine runs at once.
 
 A call larger than ``max_images`` (a stability sweep, say) runs alone. When a joined batch
 fails, each of its calls runs again alone, so an error reaches only the caller it belongs to.
@@ -16,6 +19,7 @@ fails, each of its calls runs again alone, so an error reaches only the caller i
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -38,25 +42,30 @@ class Coalescer:
     """``run`` (a float32 ``[N, ...]`` batch -> ``[N, ...]`` outputs, one call at a time),
     with the calls that wait for it joined into batches of up to ``max_images`` images."""
 
-    def __init__(self, run: Callable[[np.ndarray], np.ndarray], max_images: int = 16):
-        if max_images < 1:
-            raise ValueError(f"max_images must be >= 1, got {max_images}")
-        self._run, self.max_images = run, max_images
+    def __init__(
+        self, run: Callable[[np.ndarray], np.ndarray], max_images: int = 16, linger: float = 0.0
+    ):
+        if max_images < 1 or linger < 0:
+            raise ValueError(f"need max_images >= 1 and linger >= 0, got {max_images}, {linger}")
+        self._run, self.max_images, self.linger = run, max_images, linger
         self._cond = threading.Condition()
         self._waiting: deque[_Call] = deque()
         self._busy = False
-        self.batches: list[int] = []  # calls per backend run, for tests and the log
+        self._last_end = -1e9  # when the last run ended (time.monotonic)
+        self.batches: deque[int] = deque(maxlen=1024)  # calls per recent run (tests, logs)
 
     def __call__(self, batch: np.ndarray) -> np.ndarray:
         call = _Call(batch)
         with self._cond:
             self._waiting.append(call)
+            self._cond.notify_all()  # a lingering runner may take it
             while True:
                 while self._busy and not call.done:
                     self._cond.wait()
                 if call.done:
                     return self._outcome(call)
                 self._busy = True
+                self._linger()
                 group = self._take()
                 self._cond.release()
                 try:
@@ -67,8 +76,22 @@ class Coalescer:
                             c.error = RuntimeError("the batch this call was joined to stopped")
                             c.done = True
                     self._cond.acquire()
-                    self._busy = False
+                    self._busy, self._last_end = False, time.monotonic()
                     self._cond.notify_all()
+
+    def _linger(self) -> None:
+        """Under load (a run ended within the last ``linger`` seconds, so its callers are
+        likely sending their next calls now), wait up to ``linger`` seconds for more calls
+        before running, while fewer than ``max_images`` images wait. A lone caller on an
+        idle engine runs at once. Called with the lock held."""
+        if self.linger <= 0 or time.monotonic() - self._last_end > self.linger:
+            return
+        deadline = time.monotonic() + self.linger
+        while sum(len(c.batch) for c in self._waiting) < self.max_images:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cond.wait(left)
 
     def _take(self) -> list[_Call]:
         """The oldest waiting call and the ones after it while the images fit."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,7 @@ __all__ = ["PRECISIONS", "gate_path", "load", "read_gate", "write_gate"]
 log = logging.getLogger("serve.eager")
 
 PRECISIONS = ("auto", "fp32", "bf16")
+LINGER = float(os.environ.get("RSTCNN_LINGER", "0.02"))  # s; serve.coalesce
 GATE_SUFFIX = ".bf16-gate.json"
 
 
@@ -130,5 +132,5 @@ def load(
         model.eval()  # drops the float32 filters that check cached (~1 GiB for rst_cnn_fb)
     # concurrent calls (the API's classifications) join into one batch: per image the
     # engine costs less the larger the batch (serve.coalesce)
-    run = Coalescer(lambda batch: logits(batch, precision), max_images=max_batch)
+    run = Coalescer(lambda batch: logits(batch, precision), max_images=max_batch, linger=LINGER)
     return run, metadata, [f"torch-{precision}"]
