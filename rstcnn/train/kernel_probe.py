@@ -86,8 +86,8 @@ def report(rows: list[dict], args: argparse.Namespace, device_name: str) -> str:
     for r in rows:
         t, f = r["torch"], r["triton"]
         lines.append(
-            f"| {r['layer']} | {1e3 * t['s']:.2f} | {t['bytes'] / 1e9:.2f} | {t['gb_s']:,.0f} | "
-            f"{1e3 * f['s']:.2f} | {f['bytes'] / 1e9:.2f} | {f['gb_s']:,.0f} | "
+            f"| {r['layer']} | {1e3 * t['s']:.2f} | {t['bytes'] / 1e9:.4g} | {t['gb_s']:,.0f} | "
+            f"{1e3 * f['s']:.2f} | {f['bytes'] / 1e9:.4g} | {f['gb_s']:,.0f} | "
             f"{f['s'] / t['s']:.2f} |"
         )
     return "\n".join(lines) + "\n"
