@@ -137,3 +137,14 @@ def test_a_file_faster_alone_serves_single_images_and_the_other_the_sweeps():
         [wide, timed_fake("slow", 0.050, 0.020, calls)], batch=4, repeats=1
     )
     assert kept == [wide] and sum(line.endswith(", served") for line in lines) == 1
+
+
+def test_a_file_only_a_little_faster_alone_does_not_take_the_single_images():
+    """Within ROUTE_MARGIN at one image the sweep's winner serves every call: start-up
+    timings are noisy, and a joining engine is the faster one under concurrent load."""
+    calls: list = []
+    close = timed_fake("close", 0.100, 0.010, calls)  # one image 110 ms, 16 images 260 ms
+    wide = timed_fake("wide", 0.115, 0.001, calls)  # one image 116 ms (< 1.25 x 110), 16: 131
+    kept, lines = fastest_variants([close, wide], batch=16, repeats=1)
+    assert kept == [wide]
+    assert any(line.startswith("m (close.file)") and line.endswith(", slower") for line in lines)
