@@ -138,17 +138,8 @@ class FFTForm(nn.Module):
         self.rot, self.nsc = layer.spec.rotations, layer.spec.num_scales
         self.cin, self.cout = layer.in_channels, layer.out_channels
         dft = _dft_matrices(h, h, nh, nw, torch.float32, torch.device("cpu"))
-        for name in (
-            "cos_h",
-            "msin_h",
-            "cos_w",
-            "sin_w",
-            "inv_cos_h",
-            "inv_sin_h",
-            "inv_cos_w",
-            "inv_sin_w",
-        ):
-            self.register_buffer(name, getattr(dft, name).clone())
+        for name, matrix in dft.separate().items():  # cos_h, msin_h, ..., inv_sin_w
+            self.register_buffer(name, matrix.clone())
         index, inverse = _quarter_turn_rows(h, self.rot, self.nsc, torch.device("cpu"))
         self.register_buffer("index", index.clone())
         self.register_buffer("inverse", inverse.clone())

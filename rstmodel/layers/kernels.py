@@ -298,26 +298,36 @@ class _DFTMatrices:
         def cast(t: Tensor) -> Tensor:
             return t.to(device=device, dtype=dtype).contiguous()
 
-        self.cos_h = cast(ang_h.cos())  # [nh, H]
-        self.msin_h = cast(-ang_h.sin())
-        self.cos_w = cast(ang_w.cos())  # [Fw, W]
-        self.sin_w = cast(ang_w.sin())
-        self.inv_cos_h = cast(ang_h.cos().T)  # [H, nh]
-        self.inv_sin_h = cast(ang_h.sin().T)
-        self.inv_cos_w = cast(ang_w.cos().T * weight * scale)  # [W, Fw]
-        self.inv_sin_w = cast(-ang_w.sin().T * weight * scale)
-        # the same, joined so each step is one GEMM with twice the rows or the reduction:
-        # rows (n, re/im) along H forward, so each row n of the result is [Re a; Im a] ...
+        # each transform one GEMM per axis: rows (n, re/im) along H forward, so each row n
+        # of the result is [Re a; Im a] ...
         self.fwd_h = cast(torch.stack([ang_h.cos(), -ang_h.sin()], 1).flatten(0, 1))  # [2nh, H]
         # ... which [cos, sin] and [-sin, cos] along W turn into Re X and Im X
         cw, sw = ang_w.cos(), ang_w.sin()
         self.fwd_w_re = cast(torch.cat([cw, sw], 1))  # [Fw, 2W]
         self.fwd_w_im = cast(torch.cat([-sw, cw], 1))
-        # inverse along H from [Re Y; Im Y] to rows (h, re/im), then along W from [Re z; Im z]
+        # inverse along H from [Re Y; Im Y] to rows (h, re/im), then along W from [Re z; Im z],
+        # the Hermitian weights folded in
         ic, is_ = ang_h.cos().T, ang_h.sin().T  # [H, nh]
         rows = torch.stack([torch.cat([ic, -is_], 1), torch.cat([is_, ic], 1)], 1)
         self.inv_h = cast(rows.flatten(0, 1))  # [2H, 2nh]
         self.inv_w = cast(torch.cat([cw.T, -sw.T], 1) * torch.cat([weight, weight]) * scale)
+
+    def separate(self) -> dict[str, Tensor]:
+        """The eight real matrices the joined ones are made of, each contiguous: cos_h,
+        msin_h [nh, H]; cos_w, sin_w [Fw, W]; inv_cos_h, inv_sin_h [H, nh]; inv_cos_w,
+        inv_sin_w [W, Fw] (``export.floor_bench`` writes its graph with them)."""
+        nh, w, fw = self.inv_h.shape[1] // 2, self.fwd_w_re.shape[1] // 2, self.inv_w.shape[1] // 2
+        parts = {
+            "cos_h": self.fwd_h[0::2],
+            "msin_h": self.fwd_h[1::2],
+            "cos_w": self.fwd_w_re[:, :w],
+            "sin_w": self.fwd_w_re[:, w:],
+            "inv_cos_h": self.inv_h[0::2, :nh],
+            "inv_sin_h": self.inv_h[1::2, :nh],
+            "inv_cos_w": self.inv_w[:, :fw],
+            "inv_sin_w": self.inv_w[:, fw:],
+        }
+        return {name: t.contiguous() for name, t in parts.items()}
 
 
 @functools.lru_cache(maxsize=16)
