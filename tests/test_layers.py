@@ -339,9 +339,11 @@ def test_fft_path_sharing_quarter_turns_equals_one_spectrum_per_rotation(spec, l
     conv.eval()
     with torch.no_grad():
         conv.forward_fft(x)
-    (spectra,) = [v[2][0] for k, v in conv._cache.items() if k.startswith("fft")]
-    nh, nw = conv._grid(12, 12)
-    assert spectra.shape[0] == nh * (nw // 2 + 1) * spec.rotations // 4 * spec.num_scales
+    spectra = [v[2][0] for k, v in conv._cache.items() if k.startswith("fft")]
+    blocks = conv.scale_blocks(12, 12)
+    assert len(spectra) == len(blocks)
+    for g, (first, end, nh, nw) in zip(spectra, blocks, strict=True):
+        assert g.shape[0] == nh * (nw // 2 + 1) * spec.rotations // 4 * (end - first)
 
 
 @pytest.mark.parametrize(
@@ -360,17 +362,46 @@ def test_quarter_turn_sharing_is_used_only_where_it_is_exact(make, size):
     torch.testing.assert_close(conv.forward_fft(x), conv.forward_direct(x), rtol=1e-10, atol=1e-10)
 
 
-def test_quarter_turn_rows_are_a_permutation_and_its_inverse():
-    index, inverse = kernels_module._quarter_turn_rows(6, 8, 3, torch.device("cpu"))
-    assert torch.equal(index.sort().values, torch.arange(6 * 6 * 8 * 3))
-    assert torch.equal(index[inverse], torch.arange(index.numel()))
-    # row (h, w, p, s, q) of map r = 2q + p turned back by q quarter turns
+def test_fft_rows_name_every_row_once_turned_back_in_scale_blocks():
+    rows = kernels_module._fft_rows(6, 6, 8, 4, (0, 1, 3), torch.device("cpu"))
+    assert torch.equal(torch.cat(rows).sort().values, torch.arange(6 * 6 * 8 * 3))
+    # block (scale 0), block (scales 1-2): rows (h, w, p, s, q) of map r = 2q + p turned
+    # back by q quarter turns
     maps = torch.randn(6, 6, 8, 3)
-    gathered = maps.reshape(-1)[index].view(6, 6, 2, 3, 4)
+    first = maps.reshape(-1)[rows[0]].view(6, 6, 2, 1, 4)
+    second = maps.reshape(-1)[rows[1]].view(6, 6, 2, 2, 4)
     for q in range(4):
         for p in range(2):
             expected = torch.rot90(maps[:, :, 2 * q + p], -q, (0, 1))
-            assert torch.equal(gathered[:, :, p, :, q], expected)
+            assert torch.equal(first[:, :, p, 0, q], expected[..., 0])
+            assert torch.equal(second[:, :, p, :, q], expected[..., 1:])
+    # no turns, one block: nothing to gather
+    assert kernels_module._fft_rows(6, 6, 8, 1, (0, 3), torch.device("cpu")) is None
+    plain = kernels_module._fft_rows(4, 6, 8, 1, (0, 2, 3), torch.device("cpu"))
+    grid = torch.arange(4 * 6 * 8 * 3).view(-1, 3)  # rows (h, w, r), scales
+    assert torch.equal(plain[0], grid[:, :2].flatten())
+    assert torch.equal(plain[1], grid[:, 2])
+
+
+def test_fft_path_runs_each_scale_on_its_own_grid():
+    """Scales whose kernels differ get grids of their own, each H + k//2; equal ones share;
+    L_alpha > 1 keeps one grid (its taps read the next scales)."""
+    spec = BasisSpec(FB, 6, 8, (2.5, 2.5 * 2**0.5, 5.0), kernel_sizes=(7, 7, 11))
+    conv = GroupRSTConv(2, 3, spec).to(F64)
+    assert conv.scale_blocks(12, 10) == [(0, 2, 15, 13), (2, 3, 17, 15)]
+    assert GroupRSTConv(2, 3, spec, scale_taps=2).scale_blocks(12, 12) == [(0, 3, 17, 17)]
+    for size in ((12, 12), (12, 10)):
+        x = torch.randn(2, 2, 8, 3, *size, dtype=F64, requires_grad=True)
+        y = conv.forward_fft(x, bias=conv.bias)
+        torch.testing.assert_close(
+            y, conv._add_bias(conv.forward_direct(x)), rtol=1e-10, atol=1e-10
+        )
+        grad = torch.randn_like(y)
+        fft_grads = torch.autograd.grad(y, (x, conv.weight), grad)
+        ref = conv._add_bias(conv.forward_direct(x))
+        ref_grads = torch.autograd.grad(ref, (x, conv.weight), grad)
+        for got, want in zip(fft_grads, ref_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("size", [4, 6, 8])

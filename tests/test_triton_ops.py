@@ -135,12 +135,19 @@ def test_model_under_bfloat16_autocast_agrees_with_three_products(interpret, mon
     calls = []
     kernel = cm.complex_bmm
     monkeypatch.setattr(cm, "complex_bmm", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    blocks = []  # the scale blocks of each group conv's call: each mixes once
+    for conv in model.modules():
+        if isinstance(conv, GroupRSTConv):
+            conv.register_forward_pre_hook(
+                lambda mod, args: blocks.append(len(mod.scale_blocks(*args[0].shape[-2:])))
+            )
     logits = {}
     for mix in ("torch", "triton"):
         monkeypatch.setenv(cm.ENV, mix)
+        blocks.clear()
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             logits[mix] = model(x).float()
-        assert len(calls) == (2 if mix == "triton" else 0)  # once per group conv
+        assert len(blocks) == 2 and len(calls) == (sum(blocks) if mix == "triton" else 0)
     # two bfloat16 roundings of the same products: close, not equal
     assert rel_err(logits["triton"], logits["torch"]) < 3e-2
 

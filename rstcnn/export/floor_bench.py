@@ -124,11 +124,13 @@ def measure(repeats: int = 5) -> list[tuple[str, str, float, float, float]]:
 
 
 class FFTForm(nn.Module):
-    """``layer.forward_fft`` (one tap, quarter turns shared) in plain, exportable torch ops.
+    """``layer.forward_fft`` (one tap, quarter turns shared) in plain, exportable torch ops,
+    all scales on the largest kernel's grid (the same values as the eager path's per-scale
+    grids).
     x [B, Cin, R, S, H, W] -> [B, Cout, R, S, H, W]."""
 
     def __init__(self, layer, h: int):
-        from rstmodel.layers.kernels import _dft_matrices, _quarter_turn_rows
+        from rstmodel.layers.kernels import _dft_matrices, _fft_rows
 
         super().__init__()
         if layer.quarter_turns(h, h) != 4 or layer.taps != 1:
@@ -140,11 +142,12 @@ class FFTForm(nn.Module):
         dft = _dft_matrices(h, h, nh, nw, torch.float32, torch.device("cpu"))
         for name, matrix in dft.separate().items():  # cos_h, msin_h, ..., inv_sin_w
             self.register_buffer(name, matrix.clone())
-        index, inverse = _quarter_turn_rows(h, self.rot, self.nsc, torch.device("cpu"))
+        (index,) = _fft_rows(h, h, self.rot, 4, (0, self.nsc), torch.device("cpu"))
         self.register_buffer("index", index.clone())
-        self.register_buffer("inverse", inverse.clone())
+        self.register_buffer("inverse", torch.argsort(index))
         k = layer.spec.num_funcs
-        self.register_buffer("basis", layer._basis_spectrum(nh, nw, self.rot // 4).float().clone())
+        spectrum = layer._basis_spectrum(nh, nw, self.rot // 4, range(self.nsc))
+        self.register_buffer("basis", spectrum.float().clone())
         weight = layer.weight.detach().float().permute(3, 1, 2, 0).reshape(k, -1)
         self.register_buffer("weight", weight.clone())  # [K, Cin*Cout]
         self.register_buffer("bias", layer.bias.detach().float().clone())

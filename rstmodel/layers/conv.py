@@ -17,17 +17,17 @@ from .common import (
     RotationTaps,
     _check_features,
     _time_path,
-    fft_size,
 )
 from .kernels import (
     _autocast_dtype,
+    _fft_rows,
+    _GatherRows,
     _GaussProduct,
     _InverseRealDFT2,
     _pooled_mix_rows,
     _PooledMix,
-    _quarter_turn_rows,
     _RealDFT2,
-    _RowGather,
+    _ScatterRows,
 )
 from .pooling import _check_even
 from .triton_ops import complex_mix, pooled_mix, pooled_mix_fits, use_triton
@@ -402,21 +402,22 @@ class GroupRSTConv(_BasisConv):
     def method_costs(self, batch: int, h: int, w: int) -> dict[ConvMethod, float]:
         """Multiply-adds of each path this call may take (all three run as GEMMs or convolutions).
         FFT does 3 real products per complex one and also pays for its filter spectra
-        (3 Cin Cout R S nh Fw floats whatever the batch, a quarter of that when
+        (3 Cin Cout R nh Fw floats per scale whatever the batch, a quarter of that when
         ``quarter_turns`` shares them); it is refused while they outweigh both 2 GiB and the
         batch's spectra. BASIS keeps K responses per input channel, so it serves eval only."""
         rot, nsc, nk = self.spec.rotations, self.spec.num_scales, self.spec.num_funcs
         cit, cout = self.in_channels * self.taps, self.out_channels
         static = [self.form_costs(s) for s in range(nsc)]
-        nh, nw = self._grid(h, w)
-        fw = nw // 2 + 1
-        freqs = rot * nsc * nh * fw
-        filters = freqs // self.quarter_turns(h, w)  # distinct filter spectra
-        maps = batch * rot * nsc
         costs = {ConvMethod.DIRECT: batch * h * w * rot * sum(c[ConvMethod.DIRECT] for c in static)}
+        maps = batch * rot  # per scale
+        freqs = dfts = 0
+        for first, end, nh, nw in self.scale_blocks(h, w):
+            fw, scales = nw // 2 + 1, end - first
+            freqs += rot * scales * nh * fw
+            dfts += maps * scales * self.in_channels * 2 * fw * h * (w + 2 * nh)
+            dfts += maps * scales * cout * 2 * h * fw * (2 * nh + w)
+        filters = freqs // self.quarter_turns(h, w)  # distinct filter spectra
         if filters * cit * cout * 12 <= max(2**31, batch * (cit + cout) * freqs * 8):
-            dfts = maps * self.in_channels * 2 * nh * w * (h + 2 * fw)
-            dfts += maps * cout * 2 * h * fw * (2 * nh + w)
             build = 2 * nk * filters * cit * cout if self.training else 0
             costs[ConvMethod.FFT] = 3 * batch * freqs * cit * cout + dfts + build
         if not self.training:
@@ -490,24 +491,24 @@ class GroupRSTConv(_BasisConv):
             out.append(y.unflatten(1, (rot, cout)).transpose(1, 2))
         return torch.stack(out, dim=3)  # [B, Cout, R, S, H, W]
 
-    def _basis_spectrum(self, nh: int, nw: int, rotations: int) -> Tensor:
+    def _basis_spectrum(self, nh: int, nw: int, rotations: int, scales: range) -> Tensor:
         """Basis spectra for a 'same' cross-correlation on an nh x nw periodic grid, for the
-        first ``rotations`` rotations: real ``[3, nh*Fw*rotations*S, K]`` (real part,
-        imaginary minus real, real plus imaginary: the three products of ``forward_fft``),
-        Fw = nw//2 + 1, rows ordered (n, f, r, s)."""
-        key = (nh, nw, rotations, str(self.weight.device), self.weight.dtype)
+        first ``rotations`` rotations and the given scales, each cut to its kernel: real
+        ``[3, nh*Fw*rotations*S', K]`` (real part, imaginary minus real, real plus imaginary:
+        the three products of ``forward_fft``), Fw = nw//2 + 1, rows ordered (n, f, r, s)."""
+        key = (nh, nw, rotations, scales, str(self.weight.device), self.weight.dtype)
         spec = self._spectra.get(key)
         if spec is None:
-            k = self.spec.kernel_size
-            p = k // 2
             basis = torch.from_numpy(sample_basis(self.spec)[:, :rotations].copy())
-            placed = torch.zeros(*basis.shape[:3], nh, nw, dtype=torch.float64)
-            # the tap at offset m (rows, cols) from the kernel centre goes to index m mod n
-            placed[..., :k, :k] = basis
-            placed = torch.roll(placed, shifts=(-p, -p), dims=(-2, -1))
+            placed = torch.zeros(*basis.shape[:2], len(scales), nh, nw, dtype=torch.float64)
+            for i, s in enumerate(scales):
+                ks, win = self.spec.kernel_sizes[s], self._window(s)
+                # the tap at offset m (rows, cols) from the kernel centre goes to index m mod n
+                placed[:, :, i, :ks, :ks] = basis[:, :, s, win, win]
+                placed[:, :, i] = torch.roll(placed[:, :, i], (-(ks // 2), -(ks // 2)), (-2, -1))
             # correlation: Y = X conj(G)
-            g = torch.fft.rfft2(placed).conj()  # [K, R, S, nh, Fw]
-            g = g.permute(3, 4, 1, 2, 0).reshape(-1, g.shape[0])  # [nh*Fw*R*S, K]
+            g = torch.fft.rfft2(placed).conj()  # [K, R, S', nh, Fw]
+            g = g.permute(3, 4, 1, 2, 0).reshape(-1, g.shape[0])  # [nh*Fw*R*S', K]
             spec = torch.stack([g.real, g.imag - g.real, g.real + g.imag]).to(
                 device=self.weight.device, dtype=self.weight.dtype
             )
@@ -515,13 +516,21 @@ class GroupRSTConv(_BasisConv):
         return spec
 
     def spectra(
-        self, nh: int, nw: int, rotations: int | None = None, *, gauss: bool = True
+        self,
+        nh: int,
+        nw: int,
+        rotations: int | None = None,
+        scales: range | None = None,
+        *,
+        gauss: bool = True,
     ) -> tuple[Tensor, ...]:
-        """Filter spectra G of the first ``rotations`` rotations (default all R) as
-        (Re G, Im G - Re G, Re G + Im G) for ``_GaussProduct``, or (Re G, Im G) with
-        ``gauss=False`` (``complex_mix``), each ``[nh*Fw*rotations*S, Cin*T, Cout]``."""
+        """Filter spectra G of the first ``rotations`` rotations (default all R) and the
+        given scales (default all) as (Re G, Im G - Re G, Re G + Im G) for ``_GaussProduct``,
+        or (Re G, Im G) with ``gauss=False`` (``complex_mix``), each ``[nh*Fw*rotations*S',
+        Cin*T, Cout]``."""
         rotations = self.spec.rotations if rotations is None else rotations
-        basis_spec = self._basis_spectrum(nh, nw, rotations)  # [3, NFRS, K]
+        scales = range(self.spec.num_scales) if scales is None else scales
+        basis_spec = self._basis_spectrum(nh, nw, rotations, scales)  # [3, NFRS, K]
         if not gauss:
             basis_spec = torch.stack([basis_spec[0], basis_spec[1] + basis_spec[0]])
         a = self.weight.permute(3, 1, 2, 0).reshape(self.spec.num_funcs, -1)  # [K, Cin*T*Cout]
@@ -546,54 +555,90 @@ class GroupRSTConv(_BasisConv):
         are matrix products (GEMMs beat FFTs at these sizes) on the spatial-major memory
         layout ``[H, W, R, S, B, C]``, where the frequency-wise channel mixing is a plain
         batched matmul over contiguous ``[B, C]`` blocks; the result keeps that layout
-        (``spatial_major``). ``share_quarter_turns``: use ``quarter_turns`` where it
-        applies (False: one filter spectrum per rotation, the plain path it must equal).
+        (``spatial_major``). Each block of scales (``scale_blocks``) runs on the smallest
+        periodic grid its kernels allow. ``share_quarter_turns``: use ``quarter_turns`` where
+        it applies (False: one filter spectrum per rotation, the plain path it must equal).
         ``bias`` [Cout], if given, enters the spectrum at frequency (0, 0) (``_GaussProduct``).
         x [B, Cin, R, S, H, W] -> [B, Cout, R, S, H, W]."""
         b, cin, rot, nsc, h, w = x.shape
-        nh, nw = self._grid(h, w)
-        fw = nw // 2 + 1
         quarters = self.quarter_turns(h, w) if share_quarter_turns else 1
-        filt_rot, bq = rot // quarters, b * quarters  # filter rotations, GEMM rows
-        xs = x.permute(4, 5, 2, 3, 0, 1).contiguous()  # [H, W, R, S, B, Cin]
-        if quarters > 1:
-            # rows (h, w, r = q R/4 + p, s) -> (h, w, p, s, q), each map turned back q times
-            rows = _quarter_turn_rows(h, rot, nsc, x.device)
-            xs = _RowGather.apply(xs.view(-1, b * cin), *rows)
+        blocks = self.scale_blocks(h, w)
+        xs = x.permute(4, 5, 2, 3, 0, 1).contiguous().view(-1, b * cin)  # rows (h, w, r, s)
+        # each block's rows (h, w, p, s, q), map r = q R/4 + p turned back q quarter turns
+        bounds = (*(first for first, *_ in blocks), nsc)
+        rows = _fft_rows(h, w, rot, quarters, bounds, x.device)
+        parts = (xs,) if rows is None else _GatherRows.apply(xs, *rows)
+        ys = [
+            self._fft_block(part, (h, w), block, quarters, bias)
+            for part, block in zip(parts, blocks, strict=True)
+        ]
+        # every map back to its rows (h, w, r, s), turned forward again
+        y = ys[0] if rows is None else _ScatterRows.apply(rows, *ys)
+        return y.view(h, w, rot, nsc, b, self.out_channels).permute(4, 5, 2, 3, 0, 1)
+
+    def _fft_block(
+        self,
+        xs: Tensor,
+        size: tuple[int, int],
+        block: tuple[int, int, int, int],
+        quarters: int,
+        bias: Tensor | None,
+    ) -> Tensor:
+        """``forward_fft`` for the scales of one block: maps ``[rows (h, w, p, s, q),
+        B*Cin] -> [the same rows, B*Cout]``."""
+        (h, w), (first, end, nh, nw) = size, block
+        fw, nsc, cin = nw // 2 + 1, end - first, self.in_channels
+        filt_rot, bq = self.spec.rotations // quarters, xs.shape[1] // cin * quarters
         shape = (h, w, nh, nw)
-        x_re, x_im = _RealDFT2.apply(xs.view(h, -1), shape)  # [nh, Fw, R*S*B*Cin] each
+        x_re, x_im = _RealDFT2.apply(xs.view(h, -1), shape)  # [nh, Fw, R'*S'*B'*Cin] each
         freqs = nh * fw * filt_rot * nsc
         shape6 = (nh, fw, filt_rot, nsc, bq, cin)
         x_re = self._gather_spectral_taps(x_re.view(shape6), quarters).view(freqs, bq, -1)
         x_im = self._gather_spectral_taps(x_im.view(shape6), quarters).view(freqs, bq, -1)
         # per frequency: [B', Cin*T] @ [Cin*T, Cout], complex; the bias enters at frequency
-        # (0, 0), the first R'*S rows
+        # (0, 0), the first R'*S' rows
         dc = (bias, filt_rot * nsc, float(nh * nw))
+        scales, name = range(first, end), f"{nh}x{nw}r{filt_rot}s{first}-{end}"
         if use_triton(x_re):  # one Triton kernel
             g = self._cached(
-                f"fftc{nh}x{nw}r{filt_rot}", lambda: self.spectra(nh, nw, filt_rot, gauss=False)
+                "fftc" + name, lambda: self.spectra(nh, nw, filt_rot, scales, gauss=False)
             )
             y = complex_mix(x_re, x_im, *g, *dc)  # [Re; Im], [2, NFRS, B', Cout]
         else:  # three real products
-            g = self._cached(f"fft{nh}x{nw}r{filt_rot}", lambda: self.spectra(nh, nw, filt_rot))
+            g = self._cached("fft" + name, lambda: self.spectra(nh, nw, filt_rot, scales))
             y = _GaussProduct.apply(x_re, x_im, *g, *dc)
-        y = _InverseRealDFT2.apply(y, shape)  # [H, W, R*S*B*Cout]
-        if quarters > 1:  # turn each map forward again, rows back to (h, w, r, s)
-            y = _RowGather.apply(y.view(-1, b * self.out_channels), *reversed(rows))
-        return y.view(h, w, rot, nsc, b, self.out_channels).permute(4, 5, 2, 3, 0, 1)
+        return _InverseRealDFT2.apply(y, shape).view(xs.shape[0], -1)  # [H, W, R'*S'*B'*Cout]
 
-    def _grid(self, h: int, w: int) -> tuple[int, int]:
-        """Periodic grid of the FFT path: no wrap-around into the first H x W outputs
-        (n >= H + k//2) and room for the whole kernel (n >= k)."""
-        k = self.spec.kernel_size
-        return fft_size(max(h + k // 2, k)), fft_size(max(w + k // 2, k))
+    def scale_blocks(self, h: int, w: int) -> list[tuple[int, int, int, int]]:
+        """``(first scale, end, nh, nw)`` of each block of scales that the FFT path runs on
+        one nh x nw periodic grid: each scale on the smallest grid its own kernel allows
+        (``_grid``; the mixing and the DFTs cost in proportion to the grid), scales of equal
+        grids together. With L_alpha > 1 a tap reads the next scales' maps, whose spectra
+        must then lie on its grid: all scales on the largest kernel's."""
+        if self.scale_taps > 1:
+            return [(0, self.spec.num_scales, *self._grid(h, w))]
+        blocks: list[tuple[int, int, int, int]] = []
+        for s, k in enumerate(self.spec.kernel_sizes):
+            grid = self._grid(h, w, k)
+            if blocks and blocks[-1][2:] == grid:
+                blocks[-1] = (blocks[-1][0], s + 1, *grid)
+            else:
+                blocks.append((s, s + 1, *grid))
+        return blocks
+
+    def _grid(self, h: int, w: int, k: int | None = None) -> tuple[int, int]:
+        """Periodic grid of the FFT path for a k x k kernel (default the largest scale's):
+        no wrap-around into the first H x W outputs (n >= H + k//2) and room for the whole
+        kernel (n >= k). Any size will do: the DFTs are GEMMs."""
+        k = self.spec.kernel_size if k is None else k
+        return max(h + k // 2, k), max(w + k // 2, k)
 
     def _gather_spectral_taps(self, xf: Tensor, quarters: int = 1) -> Tensor:
-        """``[nh, Fw, R', S, B', C] -> [nh, Fw, R', S, B', C, T]`` (what each tap reads);
+        """``[nh, Fw, R', S', B', C] -> [nh, Fw, R', S', B', C, T]`` (what each tap reads);
         with shared quarter turns R' = R/4 and the one rotation tap reads its own rotation."""
         if self.taps == 1:
             return xf.unsqueeze(-1)
-        nsc = self.spec.num_scales
+        nsc = xf.shape[3]
         taps = []
         for idx in self.rot_index:
             xr = xf.index_select(2, idx) if quarters == 1 else xf

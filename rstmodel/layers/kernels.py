@@ -1,6 +1,6 @@
 """The convolutions' fast-path kernels: autograd functions that keep memory and passes
 down (the lifting layer's pooled channel mixing; the FFT path's GEMM DFTs, three-product
-complex mixing and quarter-turn row gather, each with a hand-written backward that
+complex mixing and the row gathers of quarter turns and scale blocks, each with a hand-written backward that
 accumulates in place) and the cached DFT matrices."""
 
 from __future__ import annotations
@@ -179,7 +179,10 @@ def _compute_dtype(t: Tensor) -> torch.dtype:
 class _RealDFT2(torch.autograd.Function):
     """The 2D DFT of real maps zero-padded to an nh x nw periodic grid, half spectrum along W:
     spatial-major ``x [H, W*M] -> (Re X, Im X)``, each ``[nh, Fw, M]``, Fw = nw//2 + 1, in
-    four GEMMs (GEMMs beat FFTs at these sizes). The backward runs the transposed GEMMs and
+    two GEMMs (GEMMs beat FFTs at these sizes): along W first, where the input is real and
+    the half spectrum is all that is kept (2 Fw W multiply-adds per row), then along H on
+    complex values (4 nh H per column; H first would pay 2 nh H on the real input, then
+    4 Fw W per row, a third more in all). The backward runs the transposed GEMMs and
     accumulates in place, so autograd never sums the two gradients of an intermediate that
     feeds two products (an allocation and a pass over it each). ``shape`` = (H, W, nh, nw);
     computes in autocast's dtype where autocast is on."""
@@ -193,12 +196,11 @@ class _RealDFT2(torch.autograd.Function):
         x = x.to(dtype)
         m = x.shape[1] // w
         with torch.autocast(x.device.type, enabled=False):
-            # along H: a = sum_h x e^{-i 2 pi n h / nh}, rows (n, re/im): [nh, 2W, M]
-            a = (dft.fwd_h @ x).view(nh, 2 * w, m)
-            # along W: X = sum_w a e^{-i 2 pi f w / nw}, [nh, Fw, M]
-            x_re = torch.bmm(dft.fwd_w_re.expand(nh, fw, 2 * w), a)
-            x_im = torch.bmm(dft.fwd_w_im.expand(nh, fw, 2 * w), a)
-        return x_re, x_im
+            # along W: a = sum_w x e^{-i 2 pi f w / nw}, rows (h, re/im): [H, 2Fw, M]
+            a = torch.bmm(dft.fwd_w.expand(h, 2 * fw, w), x.view(h, w, m))
+            # along H: X = sum_h a e^{-i 2 pi n h / nh}, rows (re/im, n): [2nh, Fw*M]
+            spectrum = dft.fwd_h @ a.view(2 * h, fw * m)
+        return spectrum[:nh].view(nh, fw, m), spectrum[nh:].view(nh, fw, m)
 
     @staticmethod
     def backward(ctx, g_re: Tensor, g_im: Tensor):
@@ -207,9 +209,10 @@ class _RealDFT2(torch.autograd.Function):
         g_im = g_im.to(g_re.dtype)
         dft = _dft_matrices(h, w, nh, nw, g_re.dtype, g_re.device)
         m = g_re.shape[-1]
-        ga = torch.bmm(dft.fwd_w_re.mT.expand(nh, 2 * w, fw), g_re)
-        ga.baddbmm_(dft.fwd_w_im.mT.expand(nh, 2 * w, fw), g_im)  # [nh, 2W, M]
-        return dft.fwd_h.mT @ ga.view(2 * nh, w * m), None
+        ga = dft.fwd_h[:nh].mT @ g_re.reshape(nh, fw * m)
+        ga.addmm_(dft.fwd_h[nh:].mT, g_im.reshape(nh, fw * m))  # [2H, Fw*M], rows (h, re/im)
+        gx = torch.bmm(dft.fwd_w.mT.expand(h, w, 2 * fw), ga.view(h, 2 * fw, m))
+        return gx.view(h, w * m), None
 
 
 class _InverseRealDFT2(torch.autograd.Function):
@@ -243,39 +246,66 @@ class _InverseRealDFT2(torch.autograd.Function):
         return (dft.inv_h.mT @ gz).view(ctx.in_shape), None
 
 
-class _RowGather(torch.autograd.Function):
-    """Rows ``x[index]`` of a 2D tensor, where ``index`` is a permutation and ``inverse``
-    its inverse: the gradient is the inverse gather (no scatter-add)."""
+class _GatherRows(torch.autograd.Function):
+    """Blocks of rows of a 2D tensor, ``x[index]`` for each index of ``indices``, where the
+    indices together name every row once: the gradient writes each block's rows back (no
+    zero fill, no scatter-add)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
-        ctx.save_for_backward(inverse)
-        return x.index_select(0, index)
+    def forward(ctx, x: Tensor, *indices: Tensor):
+        ctx.indices, ctx.shape = indices, x.shape
+        return tuple(x.index_select(0, index) for index in indices)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        gx = grads[0].new_empty(ctx.shape)
+        for index, grad in zip(ctx.indices, grads, strict=True):
+            gx.index_copy_(0, index, grad)
+        return (gx, *(None for _ in ctx.indices))
+
+
+class _ScatterRows(torch.autograd.Function):
+    """The inverse of ``_GatherRows``: ``y[index] = block`` for each (index, block), the
+    indices together naming every row of ``y`` once."""
+
+    @staticmethod
+    def forward(ctx, indices: tuple[Tensor, ...], *blocks: Tensor):
+        ctx.indices = indices
+        rows = sum(len(index) for index in indices)
+        y = blocks[0].new_empty(rows, *blocks[0].shape[1:])
+        for index, block in zip(indices, blocks, strict=True):
+            y.index_copy_(0, index, block)
+        return y
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
+        return (None, *(grad.index_select(0, index) for index in ctx.indices))
 
 
 @functools.lru_cache(maxsize=32)
-def _quarter_turn_rows(n: int, rot: int, nsc: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Row permutation of an ``[n, n, R, S]`` grid of maps (rows (h, w, r, s)) to rows
-    (h, w, p, s, q), r = q R/4 + p, where map q R/4 + p is turned back by q quarter
-    turns; and its inverse (which turns them forward again)."""
-    quarter = rot // 4
-    pixels = torch.arange(n * n).view(n, n)
+def _fft_rows(
+    h: int, w: int, rot: int, quarters: int, bounds: tuple[int, ...], device: torch.device
+) -> tuple[Tensor, ...] | None:
+    """Which rows of an ``[H, W, R, S]`` grid of maps (rows (h, w, r, s)) the FFT path's
+    blocks of scales read: for the scales ``bounds[i]`` to ``bounds[i + 1]``, rows (h, w, p,
+    s, q), r = q R/Q + p, where map q R/Q + p is turned back by q quarter turns (Q =
+    ``quarters``, 1 or 4; quarter turns need H = W). None where that is the identity (one
+    block, Q = 1)."""
+    if quarters == 1 and len(bounds) == 2:
+        return None
+    nsc, part = bounds[-1], rot // quarters
+    pixels = torch.arange(h * w).view(h, w)
     # source pixel of each output pixel of a map turned by -q quarter turns
-    turned = torch.stack([torch.rot90(pixels, -q, (0, 1)).flatten() for q in range(4)])  # [4, n*n]
-    hw = torch.arange(n * n).view(-1, 1, 1, 1)
-    p = torch.arange(quarter).view(1, -1, 1, 1)
-    s = torch.arange(nsc).view(1, 1, -1, 1)
-    q = torch.arange(4).view(1, 1, 1, -1)
-    index = (turned[q, hw] * rot + q * quarter + p) * nsc + s  # [n*n, R/4, S, 4]
-    index = index.flatten()
-    inverse = torch.empty_like(index)
-    inverse[index] = torch.arange(index.numel())
-    return index.to(device), inverse.to(device)
+    turned = torch.stack([torch.rot90(pixels, -q, (0, 1)).flatten() for q in range(quarters)])
+    hw = torch.arange(h * w).view(-1, 1, 1, 1)
+    p = torch.arange(part).view(1, -1, 1, 1)
+    q = torch.arange(quarters).view(1, 1, 1, -1)
+    blocks = []
+    for first, end in zip(bounds, bounds[1:], strict=False):
+        s = torch.arange(first, end).view(1, 1, -1, 1)
+        index = (turned[q, hw] * rot + q * part + p) * nsc + s  # [H*W, R/Q, S', Q]
+        blocks.append(index.flatten().to(device))
+    return tuple(blocks)
 
 
 class _DFTMatrices:
@@ -298,13 +328,15 @@ class _DFTMatrices:
         def cast(t: Tensor) -> Tensor:
             return t.to(device=device, dtype=dtype).contiguous()
 
-        # each transform one GEMM per axis: rows (n, re/im) along H forward, so each row n
-        # of the result is [Re a; Im a] ...
-        self.fwd_h = cast(torch.stack([ang_h.cos(), -ang_h.sin()], 1).flatten(0, 1))  # [2nh, H]
-        # ... which [cos, sin] and [-sin, cos] along W turn into Re X and Im X
+        # forward along W from the real maps to rows (re/im, f) per image row h ...
         cw, sw = ang_w.cos(), ang_w.sin()
-        self.fwd_w_re = cast(torch.cat([cw, sw], 1))  # [Fw, 2W]
-        self.fwd_w_im = cast(torch.cat([-sw, cw], 1))
+        self.fwd_w = cast(torch.cat([cw, -sw]))  # [2Fw, W]
+        # ... then along H from columns (h, re/im) to rows (re/im, n):
+        # Re X = cos Re a + sin Im a, Im X = cos Im a - sin Re a
+        ch, sh = ang_h.cos(), ang_h.sin()  # [nh, H]
+        re_rows = torch.stack([ch, sh], 2).flatten(1, 2)  # [nh, 2H], columns (h, re/im)
+        im_rows = torch.stack([-sh, ch], 2).flatten(1, 2)
+        self.fwd_h = cast(torch.cat([re_rows, im_rows]))  # [2nh, 2H]
         # inverse along H from [Re Y; Im Y] to rows (h, re/im), then along W from [Re z; Im z],
         # the Hermitian weights folded in
         ic, is_ = ang_h.cos().T, ang_h.sin().T  # [H, nh]
@@ -316,12 +348,12 @@ class _DFTMatrices:
         """The eight real matrices the joined ones are made of, each contiguous: cos_h,
         msin_h [nh, H]; cos_w, sin_w [Fw, W]; inv_cos_h, inv_sin_h [H, nh]; inv_cos_w,
         inv_sin_w [W, Fw] (``export.floor_bench`` writes its graph with them)."""
-        nh, w, fw = self.inv_h.shape[1] // 2, self.fwd_w_re.shape[1] // 2, self.inv_w.shape[1] // 2
+        nh, fw = self.inv_h.shape[1] // 2, self.inv_w.shape[1] // 2
         parts = {
-            "cos_h": self.fwd_h[0::2],
-            "msin_h": self.fwd_h[1::2],
-            "cos_w": self.fwd_w_re[:, :w],
-            "sin_w": self.fwd_w_re[:, w:],
+            "cos_h": self.fwd_h[:nh, 0::2],
+            "msin_h": self.fwd_h[nh:, 0::2],
+            "cos_w": self.fwd_w[:fw],
+            "sin_w": -self.fwd_w[fw:],
             "inv_cos_h": self.inv_h[0::2, :nh],
             "inv_sin_h": self.inv_h[1::2, :nh],
             "inv_cos_w": self.inv_w[:, :fw],
@@ -330,7 +362,7 @@ class _DFTMatrices:
         return {name: t.contiguous() for name, t in parts.items()}
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=64)
 def _dft_matrices(
     h: int, w: int, nh: int, nw: int, dtype: torch.dtype, device: torch.device
 ) -> _DFTMatrices:
