@@ -18,8 +18,9 @@ scale taps read zeros past the truncated scale range (the paper's boundary leaka
 Each convolution has a direct reference path (per-scale grouped ``conv2d``) and fast
 paths that compute the same operator: BASIS (convolve with the few basis functions, then
 mix channels) and, for the joint convolution, FFT (channel mixing per frequency, three
-real products per complex one, and one filter spectrum shared by the four output
-rotations a quarter turn apart, which the sampled basis relates exactly).
+real products per complex one, each scale on the smallest periodic grid its own kernel
+allows, and one filter spectrum shared by the four output rotations a quarter turn apart,
+which the sampled basis relates exactly).
 ``ConvMethod.AUTO`` picks the cheapest by a multiply-add count; ``ConvMethod.TUNED`` does that
 in training and, in eval mode, times each path once per input shape and keeps the fastest
 (the multiply-add count misjudges memory-bound small batches). Tests check the paths agree.
@@ -28,7 +29,7 @@ an optimiser step, ``train()`` or ``load_state_dict`` never leaves a stale cache
 """
 
 from .blocks import ConvPoolNorm
-from .common import ConvMethod, RotationTaps, fft_size, is_spatial_major
+from .common import ConvMethod, RotationTaps, is_spatial_major
 from .conv import GroupRSTConv, LiftingRSTConv, RSTPointwise
 from .norm import RSTBatchNorm
 from .pooling import GroupMaxPool, RSTMaxPool
@@ -44,5 +45,4 @@ __all__ = [
     "GroupMaxPool",
     "ConvPoolNorm",
     "is_spatial_major",
-    "fft_size",
 ]

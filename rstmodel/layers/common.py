@@ -1,4 +1,4 @@
-"""What the RST layers share: the method and rotation-tap choices, FFT sizes, timing a
+"""What the RST layers share: the method and rotation-tap choices, timing a
 path, the memory-layout test and the feature-map check."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from enum import Enum
 import torch
 from torch import Tensor
 
-__all__ = ["ConvMethod", "RotationTaps", "fft_size", "is_spatial_major"]
+__all__ = ["ConvMethod", "RotationTaps", "is_spatial_major"]
 
 
 class ConvMethod(str, Enum):
@@ -24,19 +24,6 @@ class ConvMethod(str, Enum):
 class RotationTaps(str, Enum):
     COARSE = "coarse"  # paper: taps on a grid of L_theta points, shift l * Nr / L_theta
     ADJACENT = "adjacent"  # public code: L_theta neighbouring rotations, shift l
-
-
-def fft_size(n: int) -> int:
-    """Smallest 2-3-5-7-smooth integer >= n (fast FFT lengths)."""
-    m = n
-    while True:
-        k = m
-        for p in (2, 3, 5, 7):
-            while k % p == 0:
-                k //= p
-        if k == 1:
-            return m
-        m += 1
 
 
 def _time_path(path: Callable[[Tensor], Tensor], x: Tensor) -> float:
