@@ -143,3 +143,15 @@ def test_a_lone_call_on_an_idle_engine_does_not_linger():
     start = time.perf_counter()
     run(np.ones((1, 2), np.float32))
     assert time.perf_counter() - start < 0.25
+
+
+def test_linger_ends_when_the_last_runs_callers_are_back():
+    """Three steady clients and room for eight: each run waits for the three, not out the
+    linger (1 s a run, 5 s or more in all, if it waited for eight); only the last calls,
+    whose partners have stopped, wait it out once."""
+    backend = SlowBackend(0.01)
+    run = Coalescer(backend, max_images=8, linger=1.0)
+    start = time.perf_counter()
+    closed_loop(run, clients=3, calls=6, think=0.002)
+    assert time.perf_counter() - start < 3.5
+    assert sum(backend.sizes) == 18 and backend.sizes.count(3) >= 4

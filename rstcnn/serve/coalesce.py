@@ -9,8 +9,10 @@ to find it free runs every call waiting by then, oldest first, as one batch of u
 ``max_images`` images, and hands each caller its own rows. No thread of its own. Under a
 steady load the callers of one run send their next calls just after it ends, and the first of
 them would find the engine idle and run alone; ``linger`` (seconds) lets a run that starts
-within that time of the last one wait that long for more calls (until ``max_images`` wait).
-A lone caller on an idle engine runs at once.
+within that time of the last one wait that long for more calls, until as many images wait
+as were in flight when the last run ended (those waiting then, and the last run's, whose
+callers are coming back; at most ``max_images``): eight steady clients run in eights without
+waiting out the linger each time. A lone caller on an idle engine runs at once.
 
 A call larger than ``max_images`` (a stability sweep, say) runs alone. When a joined batch
 fails, each of its calls runs again alone, so an error reaches only the caller it belongs to.
@@ -52,6 +54,7 @@ class Coalescer:
         self._waiting: deque[_Call] = deque()
         self._busy = False
         self._last_end = -1e9  # when the last run ended (time.monotonic)
+        self._in_flight = 0  # images waiting or just answered when the last run ended
         self.batches: deque[int] = deque(maxlen=1024)  # calls per recent run (tests, logs)
 
     def __call__(self, batch: np.ndarray) -> np.ndarray:
@@ -77,17 +80,21 @@ class Coalescer:
                             c.done = True
                     self._cond.acquire()
                     self._busy, self._last_end = False, time.monotonic()
+                    # the callers answered now are likely to call again at once
+                    self._in_flight = sum(len(c.batch) for c in (*self._waiting, *group))
                     self._cond.notify_all()
 
     def _linger(self) -> None:
         """Under load (a run ended within the last ``linger`` seconds, so its callers are
         likely sending their next calls now), wait up to ``linger`` seconds for more calls
-        before running, while fewer than ``max_images`` images wait. A lone caller on an
-        idle engine runs at once. Called with the lock held."""
+        before running, while fewer images wait than were in flight when the last run ended
+        (capped at ``max_images``). A lone caller on an idle engine runs at once. Called with
+        the lock held."""
         if self.linger <= 0 or time.monotonic() - self._last_end > self.linger:
             return
         deadline = time.monotonic() + self.linger
-        while sum(len(c.batch) for c in self._waiting) < self.max_images:
+        want = min(self.max_images, self._in_flight)
+        while sum(len(c.batch) for c in self._waiting) < want:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
