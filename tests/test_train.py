@@ -832,8 +832,8 @@ def test_fastpath_align_probe_times_each_rst_conv_at_both_widths(tmp_path, capsy
 
 def test_step_cost_counts_flops_and_bytes_of_each_operator():
     """train/step_cost.py's tally: a matrix product's FLOPs and the bytes it reads and
-    writes, exactly; a view moves nothing; an in-place operator reads and writes its target;
-    the floor is the binding one of the two peaks."""
+    writes, exactly; a view moves nothing; an in-place operator reads and writes its target
+    (an indexed one only the rows it writes); the floor is the binding one of the two peaks."""
     a, b = torch.randn(6, 5), torch.randn(5, 7)
     mm = step_cost.count(lambda: a @ b).costs[("all", "matmul")]
     assert (mm.calls, mm.flops, mm.bytes) == (1, 2 * 6 * 5 * 7, 4 * (30 + 35 + 42))
@@ -853,6 +853,12 @@ def test_step_cost_counts_flops_and_bytes_of_each_operator():
     assert list(added.ops) == [("all", "add_")]
     added = added.costs[("all", "elementwise")]
     assert (added.calls, added.flops, added.bytes) == (1, 0, 2 * 40)
+    # writing 3 rows of a 100-row target moves those rows, not the target
+    big, rows, index = torch.zeros(100, 8), torch.randn(3, 8), torch.tensor([5, 1, 9])
+    copied = step_cost.count(lambda: big.index_copy_(0, index, rows)).costs
+    assert copied[("all", "gather/copy")].bytes == 2 * 4 * 24 + 8 * 3
+    summed = step_cost.count(lambda: big.index_add_(0, index, rows)).costs
+    assert summed[("all", "gather/copy")].bytes == 3 * 4 * 24 + 8 * 3
 
 
 def test_step_cost_of_a_training_step_by_layer(tmp_path, capsys):

@@ -9,7 +9,8 @@ peak memory bandwidth, whichever binds.
 Each operator is counted as the eager step dispatches it (a ``TorchDispatchMode``): its FLOPs
 by torch's own formulas (``torch.utils.flop_counter``; matrix products and convolutions, the
 only operators with many), its bytes as every tensor it reads and writes, once (views move
-nothing; an in-place operator reads and writes its target). That is the traffic of the
+nothing; an in-place operator reads and writes its target, or the rows of it that it writes,
+for ``index_copy_`` and its kin). That is the traffic of the
 unfused implementation: a fused kernel moves less, so the floor it gives is the floor of
 *this* implementation, not of the algorithm. The step is attributed per layer (``blocks.N``,
 the rest ``head / loss / optimiser``) and per kind of operator (matrix product, convolution,
@@ -57,7 +58,7 @@ _KINDS = {
     "conv": {"convolution", "convolution_backward", "cudnn_convolution", "_convolution"},
     "gather/copy": {
         "copy_", "clone", "_to_copy", "cat", "stack", "index_select", "gather", "index",
-        "scatter", "scatter_add", "index_add", "index_put", "_index_put_impl_",
+        "scatter", "scatter_add", "index_add", "index_copy", "index_put", "_index_put_impl_",
         "constant_pad_nd", "roll", "new_zeros", "zeros_like", "repeat", "flip",
     },
 }  # fmt: skip
@@ -85,6 +86,11 @@ class Cost:
         self.flops += other.flops
         self.bytes += other.bytes
         self.floor_s += other.floor_s
+
+
+# in-place operators that write only the rows they are given (the position of those values
+# in their arguments), not their whole target; index_add_ also reads the rows it adds to
+_ROW_WRITES = {"index_copy_": 3, "index_add_": 3, "index_put_": 2}
 
 
 def _is_view(func) -> bool:
@@ -133,7 +139,12 @@ class Tally(TorchDispatchMode):
         if formula is None and packet.__name__.endswith("_"):  # in place: as out of place
             formula = flop_registry.get(getattr(torch.ops.aten, packet.__name__[:-1], None))
         flops = 0 if formula is None else formula(*args, **kwargs, out_val=out)
-        moved = _bytes(tree_flatten((args, kwargs))[0]) + _bytes(tree_flatten(out)[0])
+        rows = _ROW_WRITES.get(packet.__name__)
+        if rows is None:
+            moved = _bytes(tree_flatten((args, kwargs))[0]) + _bytes(tree_flatten(out)[0])
+        else:  # the values and indices read, the rows written (and read, to add to)
+            written = _bytes([args[rows]]) * (2 if packet.__name__ == "index_add_" else 1)
+            moved = _bytes(tree_flatten((args[1:], kwargs))[0]) + written
         where, cost = self._where(), Cost(1, flops, moved)
         cost.floor_s = max(flops / self.peak_flops, moved / self.peak_bw)
         self.costs[(where, kind_of(packet.__name__))].add(cost)
