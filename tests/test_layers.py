@@ -946,3 +946,28 @@ def test_fused_lifting_block_trains_under_bfloat16_autocast():
     conv = block[0]
     for grad in (conv.weight.grad, conv.bias.grad):
         assert grad.dtype == torch.float32 and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+def test_fft_path_takes_the_joined_product_for_one_image_and_both_forms_agree():
+    """One image (4 rows per frequency with its quarter turns) takes the four-products-in-
+    one form, two images the Gauss form: the same values and gradients as the direct path,
+    bias included."""
+    conv = GroupRSTConv(3, 4, SPEC3).to(F64)
+    with torch.no_grad():
+        conv.bias.normal_()
+    for batch in (1, 2):
+        x = torch.randn(batch, 3, 8, 3, 10, 10, dtype=F64, requires_grad=True)
+        y = conv.forward_fft(x, bias=conv.bias)
+        ref = conv._add_bias(conv.forward_direct(x))
+        torch.testing.assert_close(y, ref, rtol=1e-10, atol=1e-10)
+        grad = torch.randn_like(y)
+        got = torch.autograd.grad(y, (x, conv.weight, conv.bias), grad)
+        want = torch.autograd.grad(ref, (x, conv.weight, conv.bias), grad)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    conv.eval()
+    for batch, joined in ((1, True), (2, False)):
+        conv._cache.clear()
+        with torch.no_grad():
+            conv.forward_fft(torch.randn(batch, 3, 8, 3, 10, 10, dtype=F64))
+        assert conv._cache and all(k.startswith("fftj") == joined for k in conv._cache)

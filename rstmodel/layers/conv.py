@@ -28,11 +28,19 @@ from .kernels import (
     _PooledMix,
     _RealDFT2,
     _ScatterRows,
+    joined_complex_product,
 )
 from .pooling import _check_even
 from .triton_ops import complex_mix, pooled_mix, pooled_mix_fits, use_triton
 
 __all__ = ["LiftingRSTConv", "GroupRSTConv", "RSTPointwise"]
+
+# The FFT path's per-frequency products with at most this many rows (one image, its four
+# quarter turns) take the joined four-product form (``joined_complex_product``), which reads
+# two filter spectra instead of the Gauss form's three: at batch 1 on a 2-core CPU 25 % less
+# time in float32 and 15 % in bfloat16; from 8 rows on the Gauss form wins in bfloat16
+# (BENCHMARKS.md, "Issue 13, eleventh session").
+JOINED_PRODUCT_ROWS = 4
 
 
 class _BasisConv(nn.Module):
@@ -604,6 +612,12 @@ class GroupRSTConv(_BasisConv):
                 "fftc" + name, lambda: self.spectra(nh, nw, filt_rot, scales, gauss=False)
             )
             y = complex_mix(x_re, x_im, *g, *dc)  # [Re; Im], [2, NFRS, B', Cout]
+        elif bq <= JOINED_PRODUCT_ROWS:  # few rows: reading the spectra binds, two not three
+            g = self._cached(
+                "fftj" + name,
+                lambda: torch.cat(self.spectra(nh, nw, filt_rot, scales, gauss=False), dim=2),
+            )
+            y = joined_complex_product(x_re, x_im, g, *dc)
         else:  # three real products
             g = self._cached("fft" + name, lambda: self.spectra(nh, nw, filt_rot, scales))
             y = _GaussProduct.apply(x_re, x_im, *g, *dc)

@@ -156,6 +156,29 @@ class _GaussProduct(torch.autograd.Function):
         return dx_re, dx_im, dg_re, dg_diff, dg_sum, dbias, None, None
 
 
+def joined_complex_product(
+    x_re: Tensor,
+    x_im: Tensor,
+    g: Tensor,
+    bias: Tensor | None = None,
+    dc_rows: int = 0,
+    dc_scale: float = 1.0,
+) -> Tensor:
+    """``_GaussProduct``'s y = x G in four real products done as one: the rows
+    ``[Re x; Im x]`` times the columns ``[Re G, Im G]`` (``g`` ``[F, K, 2N]``), then
+    Re y = Re x Re G - Im x Im G and Im y = Re x Im G + Im x Re G; returns ``[Re y; Im y]``
+    stacked, ``[2, F, M, N]``, the bias as ``_GaussProduct`` adds it. It reads two spectra
+    where the Gauss form reads three, at 4/3 of its multiply-adds: the faster form where
+    few rows share each frequency's spectrum (one image), since the products are then bound
+    by reading the spectra. Plain operators (autograd's backward)."""
+    m, n = x_re.shape[1], g.shape[2] // 2
+    p = torch.bmm(torch.cat([x_re, x_im], 1), g)  # [F, 2M, 2N]: (re, im) x (re, im)
+    y = torch.stack([p[:, :m, :n] - p[:, m:, n:], p[:, :m, n:] + p[:, m:, :n]])
+    if bias is not None:
+        y[0, :dc_rows] += bias.to(y.dtype) * dc_scale
+    return y
+
+
 def _dc_bias_grad(dy_re: Tensor, dc_rows: int, dc_scale: float) -> Tensor:
     """The gradient of a bias added as ``dc_scale`` times itself to the real part of the
     first ``dc_rows`` rows of ``[F, M, N]`` spectra; bfloat16 gradients summed in float32."""
