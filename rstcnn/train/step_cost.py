@@ -88,9 +88,10 @@ class Cost:
         self.floor_s += other.floor_s
 
 
-# in-place operators that write only the rows they are given (the position of those values
-# in their arguments), not their whole target; index_add_ also reads the rows it adds to
-_ROW_WRITES = {"index_copy_": 3, "index_add_": 3, "index_put_": 2}
+# in-place operators that write only the rows they are given, not their whole target: the
+# position of those values in their arguments, and how often their bytes cross (index_add_
+# also reads the rows it adds to)
+_ROW_WRITES = {"index_copy_": (3, 1), "index_add_": (3, 2), "index_put_": (2, 1)}
 
 
 def _is_view(func) -> bool:
@@ -143,8 +144,8 @@ class Tally(TorchDispatchMode):
         if rows is None:
             moved = _bytes(tree_flatten((args, kwargs))[0]) + _bytes(tree_flatten(out)[0])
         else:  # the values and indices read, the rows written (and read, to add to)
-            written = _bytes([args[rows]]) * (2 if packet.__name__ == "index_add_" else 1)
-            moved = _bytes(tree_flatten((args[1:], kwargs))[0]) + written
+            values, crossings = rows
+            moved = _bytes(tree_flatten((args[1:], kwargs))[0]) + crossings * _bytes([args[values]])
         where, cost = self._where(), Cost(1, flops, moved)
         cost.floor_s = max(flops / self.peak_flops, moved / self.peak_bw)
         self.costs[(where, kind_of(packet.__name__))].add(cost)

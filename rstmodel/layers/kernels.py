@@ -1,7 +1,7 @@
 """The convolutions' fast-path kernels: autograd functions that keep memory and passes
-down (the lifting layer's pooled channel mixing; the FFT path's GEMM DFTs, three-product
-complex mixing and the row gathers of quarter turns and scale blocks, each with a hand-written backward that
-accumulates in place) and the cached DFT matrices."""
+down (the lifting layer's pooled channel mixing; the FFT path's GEMM DFTs, complex mixing
+and the row gathers of quarter turns and scale blocks, each with a hand-written backward
+that accumulates in place) and the cached DFT matrices."""
 
 from __future__ import annotations
 
@@ -323,10 +323,10 @@ def _fft_rows(
     hw = torch.arange(h * w).view(-1, 1, 1, 1)
     p = torch.arange(part).view(1, -1, 1, 1)
     q = torch.arange(quarters).view(1, 1, 1, -1)
+    maps = (turned[q, hw] * rot + q * part + p) * nsc  # [H*W, R/Q, 1, Q], scale 0
     blocks = []
     for first, end in zip(bounds, bounds[1:], strict=False):
-        s = torch.arange(first, end).view(1, 1, -1, 1)
-        index = (turned[q, hw] * rot + q * part + p) * nsc + s  # [H*W, R/Q, S', Q]
+        index = maps + torch.arange(first, end).view(1, 1, -1, 1)  # [H*W, R/Q, S', Q]
         blocks.append(index.flatten().to(device))
     return tuple(blocks)
 
