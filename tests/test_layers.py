@@ -880,7 +880,17 @@ def test_fft_path_adds_the_bias_at_frequency_zero_with_gradients():
 
 
 @pytest.mark.parametrize("relu", [True, False])
-def test_lifting_conv_fused_with_pooling_equals_conv_then_pool_with_gradients(relu):
+@pytest.mark.parametrize("chunk_rows", [None, 1, 4 * 2 * 32])
+def test_lifting_conv_fused_with_pooling_equals_conv_then_pool_with_gradients(
+    relu, chunk_rows, monkeypatch
+):
+    """Also in chunks of one window per pair of rows, and of four with a remainder of two
+    (``MIX_CHUNK_ROWS``; here M = R S B = 32 rows per pixel, six windows per pair)."""
+    from rstmodel.layers import kernels
+
+    if chunk_rows is not None:
+        monkeypatch.setattr(kernels, "MIX_CHUNK_ROWS", chunk_rows)
+    assert kernels._column_pairs(12, 32) == {None: 6, 1: 1, 256: 4}[chunk_rows]
     conv = LiftingRSTConv(2, 3, SPEC, method="basis").to(F64)
     with torch.no_grad():
         conv.bias.normal_()

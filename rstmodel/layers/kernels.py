@@ -16,9 +16,9 @@ from .pooling import _pool_quads, _unpool_quads
 
 class _PooledMix(torch.autograd.Function):
     """``relu(maxpool2x2(resp @ a^T + bias))`` for spatial-major responses ``resp
-    [H, W*M, K']`` (the lifting layer's basis path, M = R*S*B), two rows of H at a time:
-    neither the full-resolution map nor its gradient is ever stored, only the pooled map
-    and a one-byte argmax (4: clamped by the ReLU). Returns ``[H/2, W/2, M, Cout]``.
+    [H, W*M, K']`` (the lifting layer's basis path, M = R*S*B), a chunk of two rows of H at a
+    time (``MIX_CHUNK_ROWS``): neither the full-resolution map nor its gradient is ever
+    stored, only the pooled map and a one-byte argmax (4: clamped by the ReLU). Returns ``[H/2, W/2, M, Cout]``.
     (``triton_ops.pooled_mix`` is the same operator in one CUDA kernel each way.)"""
 
     @staticmethod
@@ -50,18 +50,23 @@ def _pooled_mix_grads(
     time: the responses' (where ``a`` is given) and the coefficients' [Cout, K'] (where
     ``a_dtype`` is given, accumulated in it)."""
     h, wm, kk = resp.shape
-    cout = grad.shape[-1]
+    m, cout = wm // w, grad.shape[-1]
     grad_resp = resp.new_empty(resp.shape) if a is not None else None
     grad_a = resp.new_zeros(cout, kk, dtype=a_dtype) if a_dtype is not None else None
-    rows = grad.new_empty(2, wm, cout)
-    q = rows.view(2, w // 2, 2, wm // w, cout)
-    quads = (q[0, :, 0], q[0, :, 1], q[1, :, 0], q[1, :, 1])
+    step = _column_pairs(w, m)
+    rows = grad.new_empty(2, 2 * step * m, cout)  # a chunk of two full-resolution rows
     for i in range(h // 2):
-        _unpool_quads(grad[i], idx[i], quads)
-        if grad_a is not None:
-            grad_a += rows.view(-1, cout).t() @ resp[2 * i : 2 * i + 2].reshape(-1, kk)
-        if grad_resp is not None:
-            torch.matmul(rows, a, out=grad_resp[2 * i : 2 * i + 2])
+        for j in range(0, w // 2, step):
+            n = min(step, w // 2 - j)
+            chunk, cols = rows[:, : 2 * n * m], slice(2 * j * m, 2 * (j + n) * m)
+            q = chunk.view(2, n, 2, m, cout)
+            quads = (q[0, :, 0], q[0, :, 1], q[1, :, 0], q[1, :, 1])
+            _unpool_quads(grad[i, j : j + n], idx[i, j : j + n], quads)
+            if grad_a is not None:
+                grad_a += (chunk.mT @ resp[2 * i : 2 * i + 2, cols]).sum(0, dtype=grad_a.dtype)
+            if grad_resp is not None:
+                for r in (0, 1):  # the chunk's rows are not one block of grad_resp's
+                    torch.mm(chunk[r], a, out=grad_resp[2 * i + r, cols])
     return grad_resp, grad_a
 
 
@@ -69,7 +74,7 @@ def _pooled_mix_rows(
     resp: Tensor, a: Tensor, bias: Tensor | None, relu: bool, w: int, argmax: bool
 ) -> tuple[Tensor, Tensor | None]:
     """``_PooledMix``'s forward: the pooled map ``[H/2, W/2, M, Cout]`` and, with ``argmax``,
-    the one-byte window positions, computed in ``resp``'s dtype two rows at a time (under
+    the one-byte window positions, computed in ``resp``'s dtype a chunk of two rows at a time (under
     autocast the responses come in bfloat16; out= and in-place ops are not autocast)."""
     h, wm, kk = resp.shape
     m, cout = wm // w, a.shape[0]
@@ -77,15 +82,32 @@ def _pooled_mix_rows(
     bias = None if bias is None else bias.to(resp.dtype)
     out = resp.new_empty(h // 2, w // 2, m, cout)
     idx = torch.empty(out.shape, dtype=torch.uint8, device=out.device) if argmax else None
-    rows = resp.new_empty(2, wm, cout)  # one pair of full-resolution rows, reused
+    step = _column_pairs(w, m)
+    rows = resp.new_empty(2, 2 * step * m, cout)  # a chunk of two full-resolution rows, reused
     for i in range(h // 2):
-        torch.matmul(resp[2 * i : 2 * i + 2], a.t(), out=rows)
-        q = rows.view(2, w // 2, 2, m, cout)
-        quads = (q[0, :, 0], q[0, :, 1], q[1, :, 0], q[1, :, 1])
-        _, code = _pool_quads(*quads, out=out[i], bias=bias, relu=relu, argmax=argmax)
-        if argmax:
-            idx[i] = code
+        for j in range(0, w // 2, step):
+            n = min(step, w // 2 - j)
+            chunk = rows[:, : 2 * n * m]
+            torch.matmul(resp[2 * i : 2 * i + 2, 2 * j * m : 2 * (j + n) * m], a.t(), out=chunk)
+            q = chunk.view(2, n, 2, m, cout)
+            quads = (q[0, :, 0], q[0, :, 1], q[1, :, 0], q[1, :, 1])
+            target = out[i, j : j + n]
+            _, code = _pool_quads(*quads, out=target, bias=bias, relu=relu, argmax=argmax)
+            if argmax:
+                idx[i, j : j + n] = code
     return out, idx
+
+
+# The pooled mixing's chunk: about this many full-resolution rows (pixels times R S B) of
+# each of two image rows at a time, so that the GEMM's output stays in cache for the
+# pooling that reads it (float32, batch 128: 32 ms a pair of whole rows, 10 in chunks;
+# BENCHMARKS.md, "Issue 13, twelfth session").
+MIX_CHUNK_ROWS = 8192
+
+
+def _column_pairs(w: int, m: int) -> int:
+    """How many 2x2 windows of one pair of image rows the pooled mixing takes at a time."""
+    return max(1, min(w // 2, MIX_CHUNK_ROWS // (2 * m)))
 
 
 def _pooled_bias_grad(grad: Tensor, idx: Tensor, dtype: torch.dtype) -> Tensor:
@@ -184,6 +206,25 @@ def _dc_bias_grad(dy_re: Tensor, dc_rows: int, dc_scale: float) -> Tensor:
     first ``dc_rows`` rows of ``[F, M, N]`` spectra; bfloat16 gradients summed in float32."""
     wide = torch.promote_types(dy_re.dtype, torch.float32)
     return dy_re[:dc_rows].sum((0, 1), dtype=wide).mul_(dc_scale)
+
+
+def _copy_runs(dst: Tensor, src: Tensor) -> None:
+    """``dst.copy_(src)`` where both hold their last dimension contiguous: short runs (a
+    basis's K values, 24 bytes in bfloat16) move as 8-byte words where sizes and offsets
+    allow, which the element-wise copy does 1.3x slower in bfloat16 (BENCHMARKS.md); a plain
+    copy where autograd records it."""
+    size = dst.element_size()
+    if (
+        size < 8
+        and not (torch.is_grad_enabled() and src.requires_grad)
+        and dst.dtype == src.dtype
+        and dst.stride(-1) == src.stride(-1) == 1
+        and (dst.shape[-1] * size) % 8 == 0
+        and all((t.storage_offset() * size) % 8 == 0 for t in (dst, src))
+        and all((st * size) % 8 == 0 for t in (dst, src) for st in t.stride()[:-1])
+    ):
+        dst, src = dst.view(torch.int64), src.view(torch.int64)
+    dst.copy_(src)
 
 
 def _autocast_dtype(device: torch.device) -> torch.dtype | None:
