@@ -40,8 +40,9 @@ def test_existing_tunables_are_kept():
 
 
 @glibc_only
-def test_default_asks_glibc_for_huge_pages_once():
-    assert run({}) == HUGEPAGE_TUNABLES
+def test_without_jemalloc_the_default_asks_glibc_for_huge_pages_once(tmp_path):
+    missing = str(tmp_path / "nope.so")
+    assert run({"RSTCNN_JEMALLOC": missing, "LD_PRELOAD": ""}) == HUGEPAGE_TUNABLES
     assert run({"RSTCNN_ALLOCATOR": "hugepages"}) == HUGEPAGE_TUNABLES
     already = f"glibc.malloc.arena_max=2:{HUGEPAGE_TUNABLES}"
     assert run({"GLIBC_TUNABLES": already}) == already
@@ -75,8 +76,9 @@ def test_jemalloc_is_preloaded_with_purging_off():
 
     lib = find_jemalloc()
     assert lib is not None, "libjemalloc2 missing: run scripts/setup.sh as root"
-    preload, conf = run_jemalloc({"RSTCNN_ALLOCATOR": "jemalloc"}).stdout.strip().split("|")
-    assert preload == lib and conf == JEMALLOC_CONF
+    for asked in ({"RSTCNN_ALLOCATOR": "jemalloc"}, {}):  # asked for, and every CLI's default
+        preload, conf = run_jemalloc(asked).stdout.strip().split("|")
+        assert preload == lib and conf == JEMALLOC_CONF
     # a MALLOC_CONF of the user's is kept
     out = run_jemalloc({"RSTCNN_ALLOCATOR": "jemalloc", "MALLOC_CONF": "narenas:2"})
     assert out.stdout.strip() == f"{lib}|narenas:2"
@@ -100,8 +102,9 @@ SERVER_CODE = (
 
 @pytest.mark.skipif(platform.system() != "Linux", reason="LD_PRELOAD is Linux-only")
 def test_a_jemalloc_default_preloads_it_or_falls_back_to_huge_pages(tmp_path):
-    """The web app's default: jemalloc where the loader finds it; without it, silently, the
-    huge-page tunable; an explicit RSTCNN_ALLOCATOR still wins."""
+    """The default (the web app's, with its own jemalloc settings, and every CLI's):
+    jemalloc where the loader finds it; without it, silently, the huge-page tunable; an
+    explicit RSTCNN_ALLOCATOR still wins."""
     from rstcnn.train.runtime import find_jemalloc
 
     def server(env_extra: dict) -> tuple[str, str]:

@@ -288,5 +288,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     from rstcnn.train.runtime import use_retaining_allocator
 
-    use_retaining_allocator()  # RSTCNN_ALLOCATOR (default: huge pages): re-exec once
+    use_retaining_allocator()  # RSTCNN_ALLOCATOR (default: jemalloc): re-exec once
     raise SystemExit(main())

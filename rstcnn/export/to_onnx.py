@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def cli() -> int:
     """The ``rstcnn-export`` command (and ``python export/to_onnx.py``)."""
-    use_retaining_allocator()  # RSTCNN_ALLOCATOR (default: huge pages): re-exec once
+    use_retaining_allocator()  # RSTCNN_ALLOCATOR (default: jemalloc): re-exec once
     return main()
 
 

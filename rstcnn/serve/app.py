@@ -783,7 +783,7 @@ def cli() -> None:
     """The ``rstcnn-serve`` command (and ``python serve/app.py``)."""
     from rstcnn.train.runtime import JEMALLOC_CONF, use_retaining_allocator  # stdlib only
 
-    # a retaining heap (RSTCNN_ALLOCATOR, default jemalloc here; re-exec once): a server's
+    # a retaining heap (RSTCNN_ALLOCATOR, default jemalloc as every CLI's; re-exec once): a server's
     # working set is one sweep's, and a sweep that reuses its memory instead of faulting in
     # fresh pages is ~1.2x faster (BENCHMARKS.md); glibc's huge-page tunable without jemalloc
     use_retaining_allocator(default="jemalloc", jemalloc_conf=JEMALLOC_CONF + ",narenas:2")

@@ -191,5 +191,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    use_retaining_allocator()  # RSTCNN_ALLOCATOR (default: huge pages): re-exec once
+    use_retaining_allocator()  # RSTCNN_ALLOCATOR (default: jemalloc): re-exec once
     main()

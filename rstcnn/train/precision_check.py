@@ -148,5 +148,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    use_retaining_allocator()  # RSTCNN_ALLOCATOR (default: huge pages): re-exec once
+    use_retaining_allocator()  # RSTCNN_ALLOCATOR (default: jemalloc): re-exec once
     sys.exit(main())

@@ -6,26 +6,27 @@ fresh pages: on 2 cores that was 3/4 of a training step (48.9 s vs 11.9 s at bat
 ``rst_cnn_fb``; see BENCHMARKS.md). ``RSTCNN_ALLOCATOR`` picks a heap that keeps freed
 memory for reuse; ``use_retaining_allocator`` then re-executes the process once with it:
 
-- ``jemalloc``: preload jemalloc (Debian ``libjemalloc2``; ``RSTCNN_JEMALLOC`` may name the
+- ``jemalloc`` (the default where the library is found): preload jemalloc (Debian
+  ``libjemalloc2``, which ``scripts/setup.sh`` installs; ``RSTCNN_JEMALLOC`` may name the
   library file) with page purging off (``MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1``
-  unless ``MALLOC_CONF`` is set). At batch 128 the full ``rst_cnn_fb`` step took 23.3 s
-  instead of 79.2 s, at a 21.1 GiB peak instead of 15.8 GiB.
-- ``retain``: glibc told not to mmap or trim. Same speed, but its heap fragments: at batch
-  128 the same model outgrew 24 GB.
+  unless ``MALLOC_CONF`` is set). ``python -m rstcnn.train.model_bench`` for ``rst_cnn_fb``
+  at batch 128 (2 cores; BENCHMARKS.md, "Issue 13, twelfth session"): training step 22.3 s instead of 36.9 s, eval 6.8 s
+  instead of 11.5 s, at an 11.6 GiB peak instead of 8.8 GiB (the plain CNN: 0.58 s against
+  0.67 s and 0.98 GiB both ways).
+- ``hugepages`` (the fallback without jemalloc): glibc is asked to back its large blocks with
+  transparent huge pages (``glibc.malloc.hugetlb=1``, glibc >= 2.35, THP in ``madvise`` or
+  ``always`` mode; elsewhere the tunable is ignored): the pages are still faulted in fresh
+  every step, but 512x fewer of them, at the default allocator's peak. The choice where
+  memory is tighter than time.
+- ``retain``: glibc told not to mmap or trim. As fast as jemalloc, but its heap fragments:
+  at batch 128 the full model outgrew 24 GB.
+- ``system`` leaves the process alone.
 
-Both are opt-in for training because a retaining heap peaks higher than the default
-allocator. The web app (``serve/app.py``) defaults to ``jemalloc`` (with two arenas, and
-``serve.memory.release_free_memory`` once its start-up checks are done and again after its
-gallery sweeps): a server's working set is one sweep's, bounded, and a stability request
-took p50 1.07-1.43 s instead of 1.89-1.93 s, its soak staying under 2.5 GiB (BENCHMARKS.md);
-without the library it takes the huge-page tunable.
-
-Unset (or ``hugepages``), glibc is asked to back its large blocks with transparent huge
-pages (``glibc.malloc.hugetlb=1``, glibc >= 2.35, THP in ``madvise`` or ``always`` mode;
-elsewhere the tunable is ignored): the pages are still faulted in fresh every step, but
-512x fewer of them, at the same memory peak. ``rst_cnn_fb`` on 2 cores: eval at batch 128
-22.8-25.4 s -> 13.9-14.1 s, a training step at batch 32 11.7-12.1 s -> 7.8-10.2 s.
-``system`` leaves the process alone.
+The retaining heap was opt-in for training while the full step peaked at 21.1 GiB with it
+(15.8 GiB without); the step's temporaries have shrunk since, and the 1.6x it buys now
+costs 2.8 GiB, so it is the default of every CLI. The web app (``serve/app.py``) asks for it
+with two arenas and ``serve.memory.release_free_memory`` once its start-up checks are done
+and again after its gallery sweeps: a server's working set is one sweep's, bounded.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def _reexec(env: dict[str, str]) -> None:
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
-def use_retaining_allocator(default: str = "hugepages", jemalloc_conf: str = JEMALLOC_CONF) -> None:
+def use_retaining_allocator(default: str = "jemalloc", jemalloc_conf: str = JEMALLOC_CONF) -> None:
     """Per ``RSTCNN_ALLOCATOR`` (unset: ``default``), re-exec this process (same interpreter
     and arguments) once: ``jemalloc`` or ``retain`` with a retaining heap, ``hugepages`` with
     glibc's huge-page tunable; ``system`` (or anything else): nothing. No re-exec when the
