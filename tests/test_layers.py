@@ -133,7 +133,14 @@ def spatial_major(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])
-def test_batch_norm_gives_the_same_result_in_every_memory_layout(momentum):
+@pytest.mark.parametrize("chunk_rows", [None, 100])
+def test_batch_norm_gives_the_same_result_in_every_memory_layout(momentum, chunk_rows, monkeypatch):
+    """The spatial-major path (chunked column sums on the CPU, its own backward; also in
+    chunks of 100 rows with a remainder) against torch's batch norm, gradients included."""
+    from rstmodel.layers import norm
+
+    if chunk_rows is not None:
+        monkeypatch.setattr(norm, "STAT_CHUNK_ROWS", chunk_rows)
     x = torch.randn(4, 3, 8, 2, 6, 6, dtype=F64) * 2 + 1
     norms = [RSTBatchNorm(3, momentum=momentum).to(F64) for _ in range(2)]
     for bn in norms:
@@ -150,10 +157,26 @@ def test_batch_norm_gives_the_same_result_in_every_memory_layout(momentum):
         bn.eval()
         with torch.no_grad():
             y_eval = bn(xi * 0.5)
-        results.append((y, xi.grad, bn.weight.grad, bn.running_mean, bn.running_var, y_eval))
+        grads = (xi.grad, bn.weight.grad, bn.bias.grad)
+        results.append((y, *grads, bn.running_mean, bn.running_var, y_eval))
     for default, other in zip(*results, strict=True):
         torch.testing.assert_close(other, default, rtol=1e-10, atol=1e-10)
     assert norms[0].num_batches_tracked == norms[1].num_batches_tracked == 2
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_row_batch_norm_passes_gradcheck(affine, monkeypatch):
+    from rstmodel.layers import norm
+
+    monkeypatch.setattr(norm, "STAT_CHUNK_ROWS", 7)
+    x = (torch.randn(30, 3, dtype=F64) * 2 + 1).requires_grad_()
+    w = torch.rand(3, dtype=F64, requires_grad=True) + 0.5 if affine else None
+    b = torch.randn(3, dtype=F64, requires_grad=True) if affine else None
+    torch.autograd.gradcheck(lambda *t: norm._RowBatchNorm.apply(*t, 1e-5)[0], (x, w, b))
+    y, mean, var = norm._RowBatchNorm.apply(x, w, b, 1e-5)
+    var_ref, mean_ref = torch.var_mean(x.detach(), dim=0, correction=0)
+    torch.testing.assert_close((mean, var), (mean_ref, var_ref), rtol=1e-12, atol=1e-12)
+    assert not (mean.requires_grad or var.requires_grad)
 
 
 @pytest.mark.parametrize("relu", [True, False])
