@@ -39,9 +39,14 @@ def _pool_quads(
         m.add_(bias)
     idx = None
     if argmax:
-        idx = torch.where(bottom > top, (p3 > p2).to(torch.uint8) + 2, (p1 > p0).to(torch.uint8))
+        # in byte arithmetic: torch.where and masked_fill_ on bytes ran ~4x slower than all
+        # of it on the CPU (BENCHMARKS.md, "Issue 13, twelfth session")
+        low = (bottom > top).view(torch.uint8)  # 1 where the bottom pair won
+        right = ((p3 > p2).view(torch.uint8) & low) | ((p1 > p0).view(torch.uint8) & (low ^ 1))
+        idx = (low << 1) | right
         if relu:
-            idx.masked_fill_(m <= 0, 4)
+            idx |= (m <= 0).view(torch.uint8) << 2
+            idx.clamp_max_(4)
     if relu:
         m.clamp_min_(0)
     return m, idx
@@ -50,8 +55,8 @@ def _pool_quads(
 def _unpool_quads(grad: Tensor, idx: Tensor, quads: list[Tensor] | tuple[Tensor, ...]) -> None:
     """The gradient of ``_pool_quads``: ``grad`` into the window position ``idx`` names,
     zeros into the other three (``quads``: the four positions' views, written whole)."""
-    for d, quad in enumerate(quads):
-        torch.mul(grad, idx == d, out=quad)
+    for d, quad in enumerate(quads):  # a float mask: a bool one promotes 2x slower (CPU)
+        torch.mul(grad, (idx == d).to(grad.dtype), out=quad)
 
 
 class _MaxPoolReLU(torch.autograd.Function):
