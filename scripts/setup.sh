@@ -94,7 +94,7 @@ apt_install dataset-fashion-mnist "[[ -d /usr/share/datasets/fashion-mnist ]]" \
 # headless browser for the web app's browser test (driven by pip playwright; never
 # `playwright install`, which downloads a browser build)
 apt_install chromium "command -v chromium >/dev/null 2>&1" "the web app's browser test"
-# a retaining heap for CPU training (RSTCNN_ALLOCATOR=jemalloc, train/runtime.py)
+# the CLIs' retaining heap (their default allocator where found: rstcnn/train/runtime.py)
 apt_install libjemalloc2 "ldconfig -p 2>/dev/null | grep libjemalloc.so.2 >/dev/null" \
     "RSTCNN_ALLOCATOR=jemalloc"
 

@@ -1,0 +1,21 @@
+# usage: python responses-ab-s12.py OLD_CHECKOUT NEW_CHECKOUT BATCH:fp32|bf16 ... (jemalloc preloaded)
+import sys, torch, time
+def load(root):
+    for k in [k for k in sys.modules if k.startswith("rstmodel")]: del sys.modules[k]
+    sys.path.insert(0, root)
+    from rstmodel.checkpoint import load_checkpoint
+    sys.path.pop(0)
+    m, meta = load_checkpoint("/work/main/models/rst_cnn_fb.pt")
+    m=m.float().eval()
+    return [mod for mod in m.modules() if type(mod).__name__=="LiftingRSTConv"][0]
+L={r:load(r) for r in (sys.argv[1], sys.argv[2])}
+for B, dt in [(int(a.split(':')[0]), a.split(':')[1]) for a in sys.argv[3:]]:
+    x=torch.randn(B,1,56,56); res={}
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dt=="bf16"):
+        outs={r:l._responses(x) for r,l in L.items()}
+        for rep in range(7 if B<128 else 3):
+            for r,l in L.items():
+                s=time.perf_counter(); l._responses(x); res.setdefault(r,[]).append(time.perf_counter()-s)
+    d=(outs[sys.argv[1]].float()-outs[sys.argv[2]].float()).abs().max().item()
+    o,n=[sorted(v)[len(v)//2]*1e3 for v in res.values()]
+    print(B, dt, f"lift old {o:.1f} new {n:.1f} ms diff {d:.2e}", flush=True)
