@@ -127,6 +127,18 @@ def test_batch_norm_keeps_float_statistics_for_bfloat16_input():
     assert low(spatial_major(x.bfloat16())).dtype == torch.bfloat16
 
 
+def test_batch_norm_statistics_stay_float32_under_autocast():
+    """Under CPU autocast the chunked statistics' GEMVs would run in bfloat16 (a 2e-4
+    relative error): they must not. Same bfloat16 values, with and without autocast."""
+    x = (torch.randn(8, 3, 8, 4, 14, 14) * 2 + 1).bfloat16()
+    ref, low = RSTBatchNorm(3), RSTBatchNorm(3)
+    ref(spatial_major(x.float()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low(spatial_major(x))
+    torch.testing.assert_close(low.running_mean, ref.running_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(low.running_var, ref.running_var, rtol=1e-5, atol=1e-6)
+
+
 def spatial_major(x: torch.Tensor) -> torch.Tensor:
     """The same [B, C, R, S, H, W] values laid out in memory as [H, W, R, S, B, C]."""
     return x.permute(4, 5, 2, 3, 0, 1).contiguous().permute(4, 5, 2, 3, 0, 1)

@@ -18,7 +18,8 @@ class _PooledMix(torch.autograd.Function):
     """``relu(maxpool2x2(resp @ a^T + bias))`` for spatial-major responses ``resp
     [H, W*M, K']`` (the lifting layer's basis path, M = R*S*B), a chunk of two rows of H at a
     time (``MIX_CHUNK_ROWS``): neither the full-resolution map nor its gradient is ever
-    stored, only the pooled map and a one-byte argmax (4: clamped by the ReLU). Returns ``[H/2, W/2, M, Cout]``.
+    stored, only the pooled map and a one-byte argmax (4: clamped by the ReLU). Returns
+    ``[H/2, W/2, M, Cout]``.
     (``triton_ops.pooled_mix`` is the same operator in one CUDA kernel each way.)"""
 
     @staticmethod
@@ -46,8 +47,8 @@ class _PooledMix(torch.autograd.Function):
 def _pooled_mix_grads(
     resp: Tensor, grad: Tensor, idx: Tensor, w: int, a: Tensor | None, a_dtype: torch.dtype | None
 ) -> tuple[Tensor | None, Tensor | None]:
-    """``_PooledMix``'s gradients from the pooled gradient and the argmax, two rows at a
-    time: the responses' (where ``a`` is given) and the coefficients' [Cout, K'] (where
+    """``_PooledMix``'s gradients from the pooled gradient and the argmax, a chunk of two
+    rows at a time: the responses' (where ``a`` is given) and the coefficients' [Cout, K'] (where
     ``a_dtype`` is given, accumulated in it)."""
     h, wm, kk = resp.shape
     m, cout = wm // w, grad.shape[-1]
@@ -74,8 +75,9 @@ def _pooled_mix_rows(
     resp: Tensor, a: Tensor, bias: Tensor | None, relu: bool, w: int, argmax: bool
 ) -> tuple[Tensor, Tensor | None]:
     """``_PooledMix``'s forward: the pooled map ``[H/2, W/2, M, Cout]`` and, with ``argmax``,
-    the one-byte window positions, computed in ``resp``'s dtype a chunk of two rows at a time (under
-    autocast the responses come in bfloat16; out= and in-place ops are not autocast)."""
+    the one-byte window positions, computed in ``resp``'s dtype a chunk of two rows at a
+    time (under autocast the responses come in bfloat16; out= and in-place ops are not
+    autocast)."""
     h, wm, kk = resp.shape
     m, cout = wm // w, a.shape[0]
     a = a.to(resp.dtype)

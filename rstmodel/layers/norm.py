@@ -83,9 +83,10 @@ def _column_sums(term, *maps: Tensor) -> Tensor:
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
     total = torch.zeros(x.shape[1], dtype=torch.float64, device=x.device)
     ones = torch.ones(min(STAT_CHUNK_ROWS, x.shape[0]), dtype=wide, device=x.device)
-    for chunks in zip(*(m.split(STAT_CHUNK_ROWS) for m in maps), strict=True):
-        part = term(*(c.to(wide) for c in chunks))
-        total += ones[: part.shape[0]] @ part
+    with torch.autocast(x.device.type, enabled=False):  # the GEMVs in float32, not bf16
+        for chunks in zip(*(m.split(STAT_CHUNK_ROWS) for m in maps), strict=True):
+            part = term(*(c.to(wide) for c in chunks))
+            total += ones[: part.shape[0]] @ part
     return total
 
 
