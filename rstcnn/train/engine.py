@@ -1031,10 +1031,12 @@ def run_trials(
 
     procs.on_main(check_folders)
     log.info("device: %s", describe_device(device))
-    if args.bf16 and device.type == "cpu" and not os.environ.get("RSTCNN_ALLOCATOR"):
+    on_jemalloc = "jemalloc" in os.environ.get("LD_PRELOAD", "")
+    if args.bf16 and device.type == "cpu" and not on_jemalloc:
         log.info(
-            "tip: RSTCNN_ALLOCATOR=jemalloc with --bf16 made the rst_cnn_fb step 2.7x faster "
-            "at float32's memory peak (BENCHMARKS.md)"
+            "tip: on jemalloc (RSTCNN_ALLOCATOR=jemalloc, the default of train/run.py where "
+            "libjemalloc2 is installed) --bf16 made the rst_cnn_fb step 2.7x faster at "
+            "float32's memory peak (BENCHMARKS.md)"
         )
     if procs.enabled:
         log.info(
