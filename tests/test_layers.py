@@ -863,6 +863,25 @@ def test_gauss_product_equals_the_complex_product_with_gradients(grads):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_plus_product_is_baddbmm(dtype, sign):
+    """``_plus_product`` (a product, then a pass that adds, for float32/float64; baddbmm for
+    reduced precision) equals ``base + sign * a @ b``, returned and written into ``out``."""
+    torch.manual_seed(0)
+    base, a, b = torch.randn(3, 5, 7), torch.randn(3, 5, 4), torch.randn(3, 4, 7)
+    expected = base.double() + sign * a.double() @ b.double()
+    base, a, b = base.to(dtype), a.to(dtype), b.to(dtype)
+    tol = {"rtol": 2e-2, "atol": 5e-2} if dtype is torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-5}
+    y = kernels_module._plus_product(base, a, b, sign)
+    assert y.dtype == dtype
+    torch.testing.assert_close(y.double(), expected, **tol)
+    out = torch.empty(2, 3, 5, 7, dtype=dtype)
+    returned = kernels_module._plus_product(base, a, b.mT.contiguous().mT, sign, out=out[1])
+    assert returned.data_ptr() == out[1].data_ptr()
+    torch.testing.assert_close(out[1].double(), expected, **tol)
+
+
 @pytest.mark.parametrize("dims", [(6, 6, 9, 9), (5, 7, 8, 11)], ids=["square", "rect"])
 def test_real_dft_pair_equals_torch_fft_with_gradients(dims):
     """``_RealDFT2`` is rfft2 of the zero-padded maps and ``_InverseRealDFT2`` the first H x W

@@ -149,11 +149,10 @@ class _GaussProduct(torch.autograd.Function):
         # out= is not autocast: the operands in m's dtype
         x_re, x_im, g_diff, g_sum = (t.to(m.dtype) for t in (x_re, x_im, g_diff, g_sum))
         y = m.new_empty(2, *m.shape)
-        # a product, then a pass that adds m: float32 baddbmm runs at half bmm's rate here
-        torch.sub(m, torch.bmm(x_im, g_sum, out=y[0]), out=y[0])
+        _plus_product(m, x_im, g_sum, -1, out=y[0])
         if bias is not None:
             y[0, :dc_rows].add_(bias.to(y.dtype), alpha=dc_scale)
-        torch.bmm(x_re, g_diff, out=y[1]).add_(m)
+        _plus_product(m, x_re, g_diff, 1, out=y[1])
         return y
 
     @staticmethod
@@ -167,10 +166,9 @@ class _GaussProduct(torch.autograd.Function):
         if need[0] or need[1]:
             dxs = torch.bmm(dm, g_re.mT)
             if need[0]:
-                dx_re = torch.bmm(dy_im, g_diff.mT).add_(dxs)
+                dx_re = _plus_product(dxs, dy_im, g_diff.mT, 1)
             if need[1]:
-                dx_im = torch.bmm(dy_re, g_sum.mT)
-                dx_im = torch.sub(dxs, dx_im, out=dx_im)
+                dx_im = _plus_product(dxs, dy_re, g_sum.mT, -1)
         if need[2]:
             dg_re = torch.bmm((x_re + x_im).mT, dm)
         if need[3]:
@@ -180,6 +178,20 @@ class _GaussProduct(torch.autograd.Function):
         if len(need) > 5 and need[5]:
             dbias = _dc_bias_grad(dy_re, ctx.dc_rows, ctx.dc_scale)
         return dx_re, dx_im, dg_re, dg_diff, dg_sum, dbias, None, None
+
+
+def _plus_product(
+    base: Tensor, a: Tensor, b: Tensor, sign: int, out: Tensor | None = None
+) -> Tensor:
+    """``base + sign * a @ b`` (batched), into ``out`` if given. float32 and float64 take a
+    product, then a pass that adds: MKL's batched GEMM with an accumulated output (what
+    ``baddbmm`` calls) ran at about half its plain rate on this project's CPU (BENCHMARKS.md,
+    "Issue 13, thirteenth session"); reduced precision keeps ``baddbmm`` (oneDNN adds at no
+    cost there, and rounds once)."""
+    if base.dtype not in (torch.float32, torch.float64):
+        return torch.baddbmm(base, a, b, alpha=sign, out=out)
+    p = torch.bmm(a, b, out=out)
+    return p.add_(base) if sign > 0 else torch.sub(base, p, out=p)
 
 
 def joined_complex_product(
