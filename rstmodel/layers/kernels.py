@@ -183,12 +183,12 @@ class _GaussProduct(torch.autograd.Function):
 def _plus_product(
     base: Tensor, a: Tensor, b: Tensor, sign: int, out: Tensor | None = None
 ) -> Tensor:
-    """``base + sign * a @ b`` (batched), into ``out`` if given. float32 and float64 take a
-    product, then a pass that adds: MKL's batched GEMM with an accumulated output (what
-    ``baddbmm`` calls) ran at about half its plain rate on this project's CPU (BENCHMARKS.md,
-    "Issue 13, thirteenth session"); reduced precision keeps ``baddbmm`` (oneDNN adds at no
-    cost there, and rounds once)."""
-    if base.dtype not in (torch.float32, torch.float64):
+    """``base + sign * a @ b`` (batched), into ``out`` if given. float32 and float64 on the
+    CPU take a product, then a pass that adds: MKL's batched GEMM with an accumulated output
+    (what ``baddbmm`` calls there) ran at about half its plain rate on this project's CPU
+    (BENCHMARKS.md, "Issue 13, thirteenth session"). Reduced precision (oneDNN adds at no cost
+    and rounds once) and other devices (cuBLAS) keep ``baddbmm``."""
+    if base.device.type != "cpu" or base.dtype not in (torch.float32, torch.float64):
         return torch.baddbmm(base, a, b, alpha=sign, out=out)
     p = torch.bmm(a, b, out=out)
     return p.add_(base) if sign > 0 else torch.sub(base, p, out=p)
