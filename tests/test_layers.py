@@ -680,6 +680,28 @@ def test_max_pool_gradient_matches_max_pool2d(relu, ties):
     assert torch.equal(grads[0][1], grads[1][1])
 
 
+@pytest.mark.parametrize("dtype", [F64, torch.float32, torch.bfloat16])
+def test_unpooling_routes_each_gradient_to_its_window_position_exactly(dtype):
+    """``_unpool_quads`` (byte masks multiplied as bytes) puts each pooled gradient where its
+    code says, 0-3, and nowhere for code 4 (clamped by the ReLU), bit-exactly in every
+    dtype, and ``_pooled_bias_grad`` sums the gradients whose code is below 4."""
+    from rstmodel.layers.kernels import _pooled_bias_grad
+    from rstmodel.layers.pooling import _unpool_quads
+
+    torch.manual_seed(0)
+    grad = torch.randn(3, 5, 2, 7).to(dtype)
+    idx = torch.randint(0, 5, grad.shape, dtype=torch.uint8)
+    quads = [torch.full_like(grad, float("nan")) for _ in range(4)]
+    _unpool_quads(grad, idx, quads)
+    for d, quad in enumerate(quads):
+        assert quad.dtype == dtype
+        assert torch.equal(quad, torch.where(idx == d, grad, torch.zeros_like(grad)))
+    expected = torch.where(idx < 4, grad, torch.zeros_like(grad)).double().sum(dim=(0, 1, 2))
+    got = _pooled_bias_grad(grad, idx, torch.float64)
+    tol = 0.05 if dtype is torch.bfloat16 else 1e-6
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("layout", ["spatial-major", "sliced", "expanded"])
 def test_max_pool_gradient_in_any_memory_layout(layout):
     base = torch.randn(1, 2, 4, 2, 6, 12, dtype=F64, requires_grad=True)

@@ -115,7 +115,7 @@ def _column_pairs(w: int, m: int) -> int:
 def _pooled_bias_grad(grad: Tensor, idx: Tensor, dtype: torch.dtype) -> Tensor:
     """The bias's gradient through the pool and ReLU: the pooled gradient where the ReLU
     let the window's maximum through (argmax code < 4)."""
-    return (grad * (idx < 4).to(grad.dtype)).sum(dim=(0, 1, 2)).to(dtype)
+    return (grad * ((idx >> 2) ^ 1)).sum(dim=(0, 1, 2)).to(dtype)  # bytes, as in unpooling
 
 
 class _GaussProduct(torch.autograd.Function):

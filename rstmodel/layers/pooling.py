@@ -54,9 +54,13 @@ def _pool_quads(
 
 def _unpool_quads(grad: Tensor, idx: Tensor, quads: list[Tensor] | tuple[Tensor, ...]) -> None:
     """The gradient of ``_pool_quads``: ``grad`` into the window position ``idx`` names,
-    zeros into the other three (``quads``: the four positions' views, written whole)."""
-    for d, quad in enumerate(quads):  # a float mask: a bool one promotes 2x slower (CPU)
-        torch.mul(grad, (idx == d).to(grad.dtype), out=quad)
+    zeros into the other three (``quads``: the four positions' views, written whole). The
+    masks in byte arithmetic, multiplied as bytes: on the CPU comparisons that give bools and
+    bools cast to floats run at ~2 G values/s, shifts and byte products at memory speed (the
+    unpooling 2-3.7x faster; BENCHMARKS.md, "Issue 13, thirteenth session")."""
+    onehot = 1 << idx  # bit d set where position d won; code 4 (clamped) sets none of 0-3
+    for d, quad in enumerate(quads):
+        torch.mul(grad, (onehot >> d) & 1, out=quad)
 
 
 class _MaxPoolReLU(torch.autograd.Function):
