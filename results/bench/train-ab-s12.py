@@ -1,5 +1,6 @@
-# usage: python train-ab-s12.py OLD_CHECKOUT NEW_CHECKOUT BATCH [bf16] (jemalloc preloaded)
-import sys, torch, time
+# usage: [ROUNDS=3] python train-ab-s12.py OLD_CHECKOUT NEW_CHECKOUT BATCH [bf16] (jemalloc preloaded)
+# prints each checkout's median step and, per round, the second checkout's time over the first's
+import os, sys, torch, time
 def load(root):
     for k in [k for k in sys.modules if k.startswith("rstmodel")]: del sys.modules[k]
     sys.path.insert(0, root)
@@ -19,7 +20,10 @@ def step(r):
     loss.backward(); opt.step(); return loss.item()
 res={}
 for r in models: step(r)
-for rep in range(3):
+rounds=int(os.environ.get('ROUNDS', 3))
+for rep in range(rounds):
     for r in models:
         s=time.perf_counter(); l=step(r); res.setdefault(r,[]).append(time.perf_counter()-s)
-for r,v in res.items(): print(r, B, "bf16" if bf else "fp32", f"median {sorted(v)[1]:.2f} s", [f"{t:.2f}" for t in v])
+for r,v in res.items(): print(r, B, "bf16" if bf else "fp32", f"median {sorted(v)[len(v)//2]:.2f} s", [f"{t:.2f}" for t in v])
+old, new = res.values()
+print("new/old per round", [f"{b/a:.2f}" for a, b in zip(old, new)])
