@@ -4,14 +4,8 @@
 #   conv: the per-frequency products as batched GEMMs (MKL) against one grouped conv1d
 #         (oneDNN), forward and both backward products
 import sys, time
+from alternate_s13 import run  # this folder's timing loop
 import torch, torch.nn.functional as Fn
-def run(fs, rounds=7):
-    res={k:[] for k in fs}
-    for k,f in fs.items(): f()
-    for _ in range(rounds):
-        for k,f in fs.items():
-            s=time.perf_counter(); f(); res[k].append(time.perf_counter()-s)
-    return {k:sorted(v)[rounds//2] for k,v in res.items()}
 def read():
     F=4334
     g=torch.randn(F,69,270); x=torch.randn(F,8,69)

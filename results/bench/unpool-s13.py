@@ -5,14 +5,8 @@
 #          byte arithmetic multiplied as bytes (C, this session's), and two mixes (B, D), at
 #          layer 2 (batch 64), the lifting layer's chunk, and layer 2 at batch 1
 import sys, time
+from alternate_s13 import run  # this folder's timing loop
 import torch
-def run(fs, rounds=9):
-    res={k:[] for k in fs}
-    for k,f in fs.items(): f()
-    for _ in range(rounds):
-        for k,f in fs.items():
-            s=time.perf_counter(); f(); res[k].append(time.perf_counter()-s)
-    return {k:sorted(v)[rounds//2] for k,v in res.items()}
 def fused():
     X=8*4*64*135
     full=torch.empty(28,28,X)
@@ -52,6 +46,6 @@ def masks():
         A(); ref=[q.clone() for q in quads]
         for f in (B,C,D):
             f(); assert all(torch.equal(a,b) for a,b in zip(ref,quads)), f.__name__
-        r=run({'A':A,'B':B,'C':C,'D':D})
+        r=run({'A':A,'B':B,'C':C,'D':D}, rounds=9)
         print(shape, "  ".join(f"{k} {v*1e3:.2f}ms" for k,v in r.items()))
 {"fused": fused, "masks": masks}[sys.argv[1]]()
