@@ -1,3 +1,9 @@
+# usage: python eval-ab-s10.py OLD_CHECKOUT NEW_CHECKOUT [BATCHES [PRECISIONS]] (jemalloc preloaded)
+# e.g. ... /tmp/old /work/main 1,8,22 fp32,bf16 (the defaults): the shipped rst_cnn_fb's eval, the
+# two checkouts taking turns in one process, median of 5, and the largest logit difference
+# between them. (Until the thirteenth session the checkouts were edited into the file as
+# OLD_WORKTREE and /work/main; a run that left OLD_WORKTREE in place compared the current
+# code with itself.)
 import time, torch, sys, importlib
 torch.set_num_threads(2)
 def load(root):
@@ -8,13 +14,17 @@ def load(root):
     sys.path.pop(0)
     m, meta = load_checkpoint("/work/main/models/rst_cnn_fb.pt")
     return m.float().eval(), inference
-models = {"old": load("OLD_WORKTREE"), "new": load("/work/main")}
-print({k: v[0].__class__.__module__ for k,v in models.items()})
-for B in (1, 8, 22):
+models = {"old": load(sys.argv[1]), "new": load(sys.argv[2])}
+files = {k: type(m).forward.__code__.co_filename for k, (m, _) in models.items()}
+print(files)
+assert files["old"] != files["new"], "both checkouts resolved to the same code"
+batches = [int(b) for b in (sys.argv[3] if len(sys.argv) > 3 else "1,8,22").split(",")]
+precisions = (sys.argv[4] if len(sys.argv) > 4 else "fp32,bf16").split(",")
+for B in batches:
     x = torch.randn(B,1,56,56)
     res = {}
     outs={}
-    for at in ("fp32","bf16"):
+    for at in precisions:
         for name,(m,inf) in models.items():
             with inf(at):
                 for _ in range(2): outs[name,at]=m(x)
