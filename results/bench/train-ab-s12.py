@@ -10,6 +10,8 @@ def load(root):
     return create_model("rst_cnn_fb").train()
 B=int(sys.argv[3]); bf=len(sys.argv)>4 and sys.argv[4]=="bf16"
 models={r:load(r) for r in (sys.argv[1], sys.argv[2])}
+files=[type(m).forward.__code__.co_filename for m in models.values()]
+print(files); assert files[0]!=files[1], "both checkouts resolved to the same code"
 x=torch.randn(B,1,56,56); y=torch.randint(0,10,(B,))
 opts={r:torch.optim.Adam(m.parameters(), lr=1e-3) for r,m in models.items()}
 def step(r):
