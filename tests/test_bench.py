@@ -28,7 +28,8 @@ def bench(*args: str) -> subprocess.CompletedProcess:
 def test_bench_compares_the_current_code_with_a_git_revision():
     done = bench("--models", "cnn", "--against", "HEAD")
     assert done.returncode == 0, done.stderr
-    assert "measuring cnn at HEAD ..." in done.stderr
+    assert "building cnn ..." in done.stderr
+    assert "the models taking turns; each ratio the median of the per-round ratios" in done.stdout
     lines = done.stdout.splitlines()
     assert any(line.startswith("| cnn | 494,805 |") for line in lines)
     table = lines[lines.index("current / HEAD (below 1: the current code is faster or smaller)") :]
@@ -40,6 +41,29 @@ def test_bench_compares_the_current_code_with_a_git_revision():
         ["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True
     ).stdout
     assert "rstcnn-bench-" not in worktrees
+
+
+def test_bench_builds_each_model_from_the_checkout_it_is_given(tmp_path):
+    from rstcnn.train.model_bench import _load_model
+
+    fake = tmp_path / "rstmodel"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(
+        "import torch\ndef create_model(name, **overrides):\n    return torch.nn.Linear(1, 1)\n"
+    )
+    ours = {k: m for k, m in sys.modules.items() if k.split(".")[0] == "rstmodel"}
+    try:
+        old = _load_model("cnn", tmp_path, {})
+        assert isinstance(old, torch.nn.Linear)
+        assert sys.modules["rstmodel"].__file__ == str(fake / "__init__.py")
+        new = _load_model("cnn", ROOT, {})
+        assert type(new).__name__ == "CNN"
+        assert sys.modules["rstmodel"].__file__.startswith(str(ROOT))
+        assert str(tmp_path) not in sys.path
+    finally:  # the rest of the suite keeps the modules (and classes) it imported
+        for k in [k for k in sys.modules if k.split(".")[0] == "rstmodel"]:
+            del sys.modules[k]
+        sys.modules.update(ours)
 
 
 def test_bench_names_an_unknown_revision():
