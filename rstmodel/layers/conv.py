@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..basis import BasisSpec, sample_basis
+from . import native
 from .common import (
     ConvMethod,
     RotationTaps,
@@ -624,6 +625,12 @@ class GroupRSTConv(_BasisConv):
                 "fftc" + name, lambda: self.spectra(nh, nw, filt_rot, scales, gauss=False)
             )
             y = complex_mix(x_re, x_im, *g, *dc)  # [Re; Im], [2, NFRS, B', Cout]
+        elif bq <= JOINED_PRODUCT_ROWS and native.available(x_re, x_im):  # compiled, CPU
+            g = self._cached(
+                "fftp" + name,
+                lambda: native.pack_joined(*self.spectra(nh, nw, filt_rot, scales, gauss=False)),
+            )
+            y = native.joined_rows_product(x_re, x_im, g, self.out_channels, *dc)
         elif bq <= JOINED_PRODUCT_ROWS:  # few rows: reading the spectra binds, two not three
             g = self._cached(
                 "fftj" + name,

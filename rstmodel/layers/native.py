@@ -1,0 +1,156 @@
+"""A compiled kernel for the FFT path's few-row products on the CPU (float32, AVX-512).
+
+At batch 1 the eval forward's per-frequency complex products (``[4 turned copies, Cin] x
+[Cin, Cout]`` for every frequency) read hundreds of MB of filter spectra and do 8 multiply-
+adds per value read: they are bound by the reads. ``torch.bmm`` hands each frequency to a
+GEMM library that reads the spectrum with strides, ~10-12 GB/s on this project's 2-core
+CPU. ``_joined_rows.c`` reads the spectra in the order they are stored, packed once (the
+eval-mode cache) into tiles of 16 columns with their real and imaginary parts side by side,
+keeps every row's sums in registers and writes ``[Re y; Im y]`` directly.
+
+The kernel is compiled with the system's C compiler on first use (``-O3 -march=native``,
+about a second) into a cache folder keyed by the source, the compiler flags and the CPU's
+flags: ``$RSTMODEL_CACHE``, else ``$XDG_CACHE_HOME/rstmodel``, else ``~/.cache/rstmodel``.
+Where there is no compiler, the CPU lacks AVX-512, or ``RSTMODEL_NATIVE=0``, ``available``
+is False and the library keeps ``torch.bmm`` (``kernels.joined_complex_product``), the
+reference this kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["available", "pack_joined", "joined_rows_product", "MAX_ROWS", "TILE"]
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("_joined_rows.c")
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
+MAX_ROWS = 4  # rows (images x quarter turns) per frequency, as in the C source
+TILE = 16  # columns per tile: one AVX-512 register of float32
+_lock = threading.Lock()
+
+
+def _cache_dir() -> Path:
+    explicit = os.environ.get("RSTMODEL_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "rstmodel"
+
+
+def _cpu_flags() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line for line in lines if line.startswith("flags")), "")
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (with the reason logged) where it cannot be had."""
+    if os.environ.get("RSTMODEL_NATIVE", "1") == "0":
+        return None
+    if not sys.platform.startswith("linux"):
+        return None
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    compiler = shutil.which(compiler) or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.info("no C compiler: the FFT path's few-row products stay on torch.bmm")
+        return None
+    key = hashlib.sha256(
+        "\n".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_flags()]).encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"joined_rows-{key}.so"
+    with _lock:
+        if not target.exists():
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                    out = Path(tmp) / target.name
+                    done = subprocess.run(
+                        [compiler, *FLAGS, "-o", str(out), str(SOURCE)],
+                        capture_output=True,
+                        text=True,
+                        timeout=120,
+                    )
+                    if done.returncode:
+                        log.info(
+                            "the FFT path's few-row kernel did not compile (%s); torch.bmm serves",
+                            done.stderr.strip().splitlines()[-1:] or done.returncode,
+                        )
+                        return None
+                    os.replace(out, target)  # atomic: a concurrent process sees all or nothing
+            except (OSError, subprocess.SubprocessError) as err:
+                log.info("could not build %s (%s); torch.bmm serves", target, err)
+                return None
+        lib = ctypes.CDLL(str(target))
+    fn = lib.joined_rows_product
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def available(x_re: Tensor, x_im: Tensor) -> bool:
+    """Whether ``joined_rows_product`` serves these row blocks ``[F, M, K]``: float32 on
+    the CPU, at most ``MAX_ROWS`` rows, no gradient wanted, and the kernel built here."""
+    return (
+        x_re.device.type == "cpu"
+        and x_re.dtype == torch.float32
+        and x_re.shape[1] <= MAX_ROWS
+        and not (torch.is_grad_enabled() and (x_re.requires_grad or x_im.requires_grad))
+        and _library() is not None
+    )
+
+
+def pack_joined(g_re: Tensor, g_im: Tensor) -> Tensor:
+    """Filter spectra ``[F, K, N]`` (real and imaginary parts) as the kernel reads them:
+    ``[F, T, K, 2, TILE]``, tile t holding columns ``t*TILE : (t+1)*TILE`` (zero past N),
+    real part then imaginary part."""
+    f, k, n = g_re.shape
+    tiles = -(-n // TILE)
+    packed = g_re.new_zeros(f, k, 2, tiles * TILE)
+    packed[:, :, 0, :n] = g_re
+    packed[:, :, 1, :n] = g_im
+    return packed.view(f, k, 2, tiles, TILE).permute(0, 3, 1, 2, 4).contiguous()
+
+
+def joined_rows_product(
+    x_re: Tensor,
+    x_im: Tensor,
+    packed: Tensor,
+    n: int,
+    bias: Tensor | None = None,
+    dc_rows: int = 0,
+    dc_scale: float = 1.0,
+) -> Tensor:
+    """``kernels.joined_complex_product`` with the spectra packed by ``pack_joined``:
+    x ``[F, M, K]`` each -> ``[Re y; Im y]`` ``[2, F, M, N]``; the bias added as there."""
+    f, m, k = x_re.shape
+    if packed.shape != (f, -(-n // TILE), k, 2, TILE) or not packed.is_contiguous():
+        raise ValueError(f"spectra {tuple(packed.shape)} are not packed for {f} x {k} x {n}")
+    x = torch.cat([x_re, x_im], 1)  # [F, 2M, K]
+    y = x.new_empty(2, f, m, n)
+    threads = max(1, torch.get_num_threads())
+    if _library().joined_rows_product(
+        x.data_ptr(), packed.data_ptr(), y.data_ptr(), f, m, k, n, threads
+    ):
+        raise ValueError(f"the kernel takes 1 to {MAX_ROWS} rows, not {m}")
+    if bias is not None:
+        y[0, :dc_rows] += bias.to(y.dtype) * dc_scale
+    return y

@@ -1,0 +1,91 @@
+"""The compiled few-row product (``rstmodel.layers.native``) against ``torch.bmm``'s."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rstmodel.basis import BasisFamily, BasisSpec
+from rstmodel.layers import GroupRSTConv, native
+from rstmodel.layers.kernels import joined_complex_product
+
+SPEC = BasisSpec(BasisFamily.FOURIER_BESSEL, 6, 8, (2.5, 2.5 * 2**0.5, 5.0))  # kernels 5, 7, 9
+
+pytestmark = pytest.mark.skipif(
+    native._library() is None, reason="no C compiler or no AVX-512 on this machine"
+)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [16, 37])
+def test_packed_product_is_the_joined_product(rows, n):
+    """Every row count, a width that fills its tiles and one that does not, the bias at
+    frequency (0, 0): the same values as ``joined_complex_product``."""
+    f, k = 11, 9
+    x_re, x_im = torch.randn(2, f, rows, k).unbind(0)
+    g_re, g_im = torch.randn(2, f, k, n).unbind(0)
+    bias = torch.randn(n)
+    want = joined_complex_product(x_re, x_im, torch.cat([g_re, g_im], 2), bias, 3, 2.5)
+    got = native.joined_rows_product(x_re, x_im, native.pack_joined(g_re, g_im), n, bias, 3, 2.5)
+    assert got.shape == (2, f, rows, n)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_product_refuses_convtra_packed_for_another_shape():
+    x = torch.randn(5, 4, 6)
+    packed = native.pack_joined(torch.randn(5, 6, 20), torch.randn(5, 6, 20))
+    with pytest.raises(ValueError, match="not packed for 5 x 6 x 40"):
+        native.joined_rows_product(x, x, packed, 40)
+    with pytest.raises(ValueError, match="takes 1 to 4 rows, not 5"):
+        big = torch.randn(5, 5, 6)
+        native.joined_rows_product(big, big, packed, 20)
+
+
+def test_the_fft_path_takes_the_kernel_for_one_float32_image_in_eval(monkeypatch):
+    """Eval at batch 1 in float32 packs the convtra once (``fftp``) and gives what the
+    ``torch.bmm`` form gives; with a gradient wanted, or the kernel switched off, the
+    library keeps ``torch.bmm``."""
+    conv = GroupRSTConv(3, 4, SPEC).eval()
+    with torch.no_grad():
+        conv.bias.normal_()
+    x = torch.randn(1, 3, 8, 3, 10, 10)
+    with torch.no_grad():
+        fast = conv.forward_fft(x, bias=conv.bias)
+        assert {k[:4] for k in conv._cache} == {"fftp"}
+        monkeypatch.setattr(native, "available", lambda *_: False)
+        conv._cache.clear()
+        plain = conv.forward_fft(x, bias=conv.bias)
+        assert {k[:4] for k in conv._cache} == {"fftj"}
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+    monkeypatch.undo()
+    x.requires_grad_(True)
+    assert not native.available(x.flatten(0, 3)[:, None], x.flatten(0, 3)[:, None])
+
+
+def test_the_kernel_is_built_once_and_only_where_it_can_be(tmp_path, monkeypatch):
+    """Built into ``$RSTMODEL_CACHE`` and reused; ``RSTMODEL_NATIVE=0``, or a source that
+    does not compile, leaves ``torch.bmm`` serving (no exception)."""
+    monkeypatch.setenv("RSTMODEL_CACHE", str(tmp_path / "cache"))
+    native._library.cache_clear()
+    try:
+        assert native._library() is not None
+        (built,) = (tmp_path / "cache").glob("joined_rows-*.so")
+        stamp = built.stat().st_mtime_ns
+        native._library.cache_clear()
+        assert native._library() is not None and built.stat().st_mtime_ns == stamp
+        assert list((tmp_path / "cache").glob("*")) == [built]
+
+        native._library.cache_clear()
+        monkeypatch.setenv("RSTMODEL_NATIVE", "0")
+        assert native._library() is None
+        assert not native.available(torch.zeros(3, 1, 2), torch.zeros(3, 1, 2))
+
+        native._library.cache_clear()
+        monkeypatch.delenv("RSTMODEL_NATIVE")
+        broken = tmp_path / "broken.c"
+        broken.write_text("this is not C\n")
+        monkeypatch.setattr(native, "SOURCE", broken)
+        assert native._library() is None
+    finally:
+        monkeypatch.undo()
+        native._library.cache_clear()
