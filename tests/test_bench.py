@@ -44,26 +44,32 @@ def test_bench_compares_the_current_code_with_a_git_revision():
 
 
 def test_bench_builds_each_model_from_the_checkout_it_is_given(tmp_path):
-    from rstcnn.train.model_bench import _load_model
-
+    """``_load_model`` imports the library of the checkout it is given, and the next call
+    another's. In a subprocess: re-importing the library re-registers its torch operators,
+    which would leak into the rest of the suite."""
     fake = tmp_path / "rstmodel"
     fake.mkdir()
     (fake / "__init__.py").write_text(
         "import torch\ndef create_model(name, **overrides):\n    return torch.nn.Linear(1, 1)\n"
     )
-    ours = {k: m for k, m in sys.modules.items() if k.split(".")[0] == "rstmodel"}
-    try:
-        old = _load_model("cnn", tmp_path, {})
-        assert isinstance(old, torch.nn.Linear)
-        assert sys.modules["rstmodel"].__file__ == str(fake / "__init__.py")
-        new = _load_model("cnn", ROOT, {})
-        assert type(new).__name__ == "CNN"
-        assert sys.modules["rstmodel"].__file__.startswith(str(ROOT))
-        assert str(tmp_path) not in sys.path
-    finally:  # the rest of the suite keeps the modules (and classes) it imported
-        for k in [k for k in sys.modules if k.split(".")[0] == "rstmodel"]:
-            del sys.modules[k]
-        sys.modules.update(ours)
+    script = f"""
+import sys
+from pathlib import Path
+from rstcnn.train.model_bench import _load_model
+old = _load_model("cnn", Path({str(tmp_path)!r}), {{}})
+print(type(old).__name__, sys.modules["rstmodel"].__file__)
+new = _load_model("cnn", Path({str(ROOT)!r}), {{}})
+print(type(new).__name__, sys.modules["rstmodel"].__file__)
+print({str(tmp_path)!r} in sys.path)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    old, new, on_path = done.stdout.splitlines()
+    assert old == f"Linear {fake / '__init__.py'}"
+    assert new == f"CNN {ROOT / 'rstmodel' / '__init__.py'}"
+    assert on_path == "False"
 
 
 def test_bench_names_an_unknown_revision():
