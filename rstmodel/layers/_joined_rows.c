@@ -9,8 +9,8 @@
  * strides at half the speed.
  *   Re y = Re x Re G - Im x Im G,   Im y = Re x Im G + Im x Re G
  * x [F, 2M, K]; y [2, F, M, N]; M <= MAX_ROWS. Threads split the frequencies. */
+#include <immintrin.h>
 #include <pthread.h>
-#include <string.h>
 
 #ifndef __AVX512F__
 #error "AVX-512 only: elsewhere the library keeps torch.bmm"
@@ -47,10 +47,10 @@ static inline __attribute__((always_inline)) void frequencies(const job_t *j, co
         }
       }
       const long c0 = t * LANES, width = n - c0 < LANES ? n - c0 : LANES;
+      const __mmask16 mask = (__mmask16)((1u << width) - 1);
       for (long r = 0; r < m; ++r) {
-        const v16 y_re = a_re[r] - a_im[m + r], y_im = a_im[r] + a_re[m + r];
-        memcpy(re + r * n + c0, &y_re, 4 * width);
-        memcpy(im + r * n + c0, &y_im, 4 * width);
+        _mm512_mask_storeu_ps(re + r * n + c0, mask, (__m512)(a_re[r] - a_im[m + r]));
+        _mm512_mask_storeu_ps(im + r * n + c0, mask, (__m512)(a_im[r] + a_re[m + r]));
       }
     }
   }
