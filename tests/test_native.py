@@ -36,6 +36,8 @@ def test_packed_product_refuses_convtra_packed_for_another_shape():
     packed = native.pack_joined(torch.randn(5, 6, 20), torch.randn(5, 6, 20))
     with pytest.raises(ValueError, match="not packed for 5 x 6 x 40"):
         native.joined_rows_product(x, x, packed, 40)
+    with pytest.raises(ValueError, match="float32 only"):
+        native.joined_rows_product(x, x, packed.double(), 20)
     with pytest.raises(ValueError, match="takes 1 to 4 rows, not 5"):
         big = torch.randn(5, 5, 6)
         native.joined_rows_product(big, big, packed, 20)
@@ -58,8 +60,12 @@ def test_the_fft_path_takes_the_kernel_for_one_float32_image_in_eval(monkeypatch
         assert {k[:4] for k in conv._cache} == {"fftj"}
     torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
     monkeypatch.undo()
-    x.requires_grad_(True)
-    assert not native.available(x.flatten(0, 3)[:, None], x.flatten(0, 3)[:, None])
+    rows = x.flatten(0, 3)[:, None]
+    assert native.available(rows, rows)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # spectra built under it: bfloat16
+        assert not native.available(rows, rows)
+    rows.requires_grad_(True)
+    assert not native.available(rows, rows)
 
 
 def test_the_kernel_is_built_once_and_only_where_it_can_be(tmp_path, monkeypatch):
@@ -89,3 +95,30 @@ def test_the_kernel_is_built_once_and_only_where_it_can_be(tmp_path, monkeypatch
     finally:
         monkeypatch.undo()
         native._library.cache_clear()
+
+
+def test_a_model_after_training_steps_gives_the_torch_logits_at_batch_1(monkeypatch):
+    """The packed spectra are part of the eval cache: after optimiser steps the kernel reads
+    the new filters, and one image's logits match the ``torch.bmm`` form's."""
+    from rstmodel import create_model
+
+    torch.manual_seed(0)
+    model = create_model("rst_cnn_fb", channels=(4, 6, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(1, 1, 56, 56)
+    real = native.available
+    for _ in range(2):
+        model.train()
+        loss = model(torch.randn(4, 1, 56, 56)).logsumexp(1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        model.eval()
+        with torch.no_grad():
+            monkeypatch.setattr(native, "available", real)
+            fast = model(x)
+            monkeypatch.setattr(native, "available", lambda *_: False)
+            plain = model(x)
+        torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+    caches = [m._cache for m in model.modules() if hasattr(m, "_cache")]
+    assert any(k.startswith("fftp") for cache in caches for k in cache)

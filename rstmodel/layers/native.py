@@ -108,10 +108,12 @@ def _library() -> ctypes.CDLL | None:
 
 def available(x_re: Tensor, x_im: Tensor) -> bool:
     """Whether ``joined_rows_product`` serves these row blocks ``[F, M, K]``: float32 on
-    the CPU, at most ``MAX_ROWS`` rows, no gradient wanted, and the kernel built here."""
+    the CPU outside autocast (whose spectra would come in bfloat16), at most ``MAX_ROWS``
+    rows, no gradient wanted, and the kernel built here."""
     return (
         x_re.device.type == "cpu"
-        and x_re.dtype == torch.float32
+        and x_re.dtype == x_im.dtype == torch.float32
+        and not torch.is_autocast_enabled("cpu")
         and x_re.shape[1] <= MAX_ROWS
         and not (torch.is_grad_enabled() and (x_re.requires_grad or x_im.requires_grad))
         and _library() is not None
@@ -144,6 +146,8 @@ def joined_rows_product(
     f, m, k = x_re.shape
     if packed.shape != (f, -(-n // TILE), k, 2, TILE) or not packed.is_contiguous():
         raise ValueError(f"spectra {tuple(packed.shape)} are not packed for {f} x {k} x {n}")
+    if {x_re.dtype, x_im.dtype, packed.dtype} != {torch.float32}:
+        raise ValueError(f"float32 only, not {x_re.dtype} rows and {packed.dtype} spectra")
     x = torch.cat([x_re, x_im], 1)  # [F, 2M, K]
     y = x.new_empty(2, f, m, n)
     threads = max(1, torch.get_num_threads())
