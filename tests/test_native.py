@@ -16,11 +16,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 11])
 @pytest.mark.parametrize("n", [16, 37])
 def test_packed_product_is_the_joined_product(rows, n):
-    """Every row count, a width that fills its tiles and one that does not, the bias at
-    frequency (0, 0): the same values as ``joined_complex_product``."""
+    """Row counts below, at and past one group of four (whole groups and every remainder),
+    a width that fills its tiles and one that does not, the bias at frequency (0, 0): the
+    same values as ``joined_complex_product``."""
     f, k = 11, 9
     x_re, x_im = torch.randn(2, f, rows, k).unbind(0)
     g_re, g_im = torch.randn(2, f, k, n).unbind(0)
@@ -31,33 +32,34 @@ def test_packed_product_is_the_joined_product(rows, n):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_packed_product_refuses_convtra_packed_for_another_shape():
+def test_packed_product_refuses_spectra_packed_for_another_shape():
     x = torch.randn(5, 4, 6)
     packed = native.pack_joined(torch.randn(5, 6, 20), torch.randn(5, 6, 20))
     with pytest.raises(ValueError, match="not packed for 5 x 6 x 40"):
         native.joined_rows_product(x, x, packed, 40)
     with pytest.raises(ValueError, match="float32 only"):
         native.joined_rows_product(x, x, packed.double(), 20)
-    with pytest.raises(ValueError, match="takes 1 to 4 rows, not 5"):
-        big = torch.randn(5, 5, 6)
-        native.joined_rows_product(big, big, packed, 20)
+    with pytest.raises(ValueError, match="at least one row, not 0"):
+        empty = torch.randn(5, 0, 6)
+        native.joined_rows_product(empty, empty, packed, 20)
 
 
-def test_the_fft_path_takes_the_kernel_for_one_float32_image_in_eval(monkeypatch):
-    """Eval at batch 1 in float32 packs the convtra once (``fftp``) and gives what the
-    ``torch.bmm`` form gives; with a gradient wanted, or the kernel switched off, the
-    library keeps ``torch.bmm``."""
+@pytest.mark.parametrize("batch,plain_form", [(1, "fftj"), (3, "fft")])
+def test_the_fft_path_takes_the_kernel_in_float32_eval(monkeypatch, batch, plain_form):
+    """Eval in float32 packs the spectra once (``fftp``) and gives what the ``torch.bmm``
+    forms give (the joined form for one image, the Gauss form for more); with a gradient
+    wanted, under autocast, or the kernel switched off, the library keeps ``torch.bmm``."""
     conv = GroupRSTConv(3, 4, SPEC).eval()
     with torch.no_grad():
         conv.bias.normal_()
-    x = torch.randn(1, 3, 8, 3, 10, 10)
+    x = torch.randn(batch, 3, 8, 3, 10, 10)
     with torch.no_grad():
         fast = conv.forward_fft(x, bias=conv.bias)
         assert {k[:4] for k in conv._cache} == {"fftp"}
         monkeypatch.setattr(native, "available", lambda *_: False)
         conv._cache.clear()
         plain = conv.forward_fft(x, bias=conv.bias)
-        assert {k[:4] for k in conv._cache} == {"fftj"}
+        assert {k[:4] if k[3] in "pj" else k[:3] for k in conv._cache} == {plain_form}
     torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
     monkeypatch.undo()
     rows = x.flatten(0, 3)[:, None]

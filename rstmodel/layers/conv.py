@@ -625,7 +625,7 @@ class GroupRSTConv(_BasisConv):
                 "fftc" + name, lambda: self.spectra(nh, nw, filt_rot, scales, gauss=False)
             )
             y = complex_mix(x_re, x_im, *g, *dc)  # [Re; Im], [2, NFRS, B', Cout]
-        elif bq <= JOINED_PRODUCT_ROWS and native.available(x_re, x_im):  # compiled, CPU
+        elif native.available(x_re, x_im):  # compiled, CPU float32 eval
             g = self._cached(
                 "fftp" + name,
                 lambda: native.pack_joined(*self.spectra(nh, nw, filt_rot, scales, gauss=False)),
