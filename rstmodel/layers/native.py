@@ -10,10 +10,10 @@ eval-mode cache) into tiles of 16 columns with their real and imaginary parts si
 keeps four rows' sums in registers at a time (the tile stays in L1 for the next four) and
 writes ``[Re y; Im y]`` directly. It does the four real products of each complex one where
 the Gauss form (``kernels._GaussProduct``) does three. On that CPU the whole model's eval
-took 0.75-0.79x the time at batch 1 and the same time at batches 8 and 128 (alone, on all
-of a layer's frequencies at once, the kernel ran the products in 0.45-0.9x the Gauss
-form's time), with two packed spectra cached where the Gauss form keeps three (636 against
-915 MiB at batch 8): it serves float32 eval at every batch (BENCHMARKS.md).
+took 0.75-0.79x the time at batch 1; at batches 8 and 128 the products took ~0.9x the Gauss
+form's time and the forward the same within noise, with two packed spectra cached where the
+Gauss form keeps three (636 against 915 MiB at batch 8): it serves float32 eval at every
+batch (BENCHMARKS.md, "Issue 13, fourteenth session").
 
 The kernel is compiled with the system's C compiler on first use (``-O3 -march=native``,
 about a second) into a cache folder keyed by the source, the compiler flags and the CPU's
