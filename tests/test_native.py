@@ -124,3 +124,95 @@ def test_a_model_after_training_steps_gives_the_torch_logits_at_batch_1(monkeypa
         torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
     caches = [m._cache for m in model.modules() if hasattr(m, "_cache")]
     assert any(k.startswith("fftp") for cache in caches for k in cache)
+
+
+paired = pytest.mark.skipif(
+    native._library() is None or not hasattr(native._library(), "paired_rows_product"),
+    reason="no AVX512-BF16 on this machine",
+)
+
+
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.bfloat16().double()
+
+
+@paired
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 9, 16, 21])
+@pytest.mark.parametrize("n", [16, 37])
+def test_paired_product_is_the_complex_product_rounded_once(rows, n):
+    """Row counts below, at and past one group of eight (whole groups and every remainder),
+    widths that fill their tiles and not: each output is the exact complex product of the
+    bfloat16-rounded rows and spectra, summed in float32 and rounded once to bfloat16."""
+    f, k = 11, 9
+    x_re, x_im = torch.randn(2, f, rows, k).unbind(0)
+    g_re, g_im = torch.randn(2, f, k, n).unbind(0)
+    bias = torch.randn(n)
+    want = joined_complex_product(
+        _bf16(x_re), _bf16(x_im), torch.cat([_bf16(g_re), _bf16(g_im)], 2), _bf16(bias), 3, 2.5
+    )
+    got = native.paired_rows_product(x_re, x_im, native.pack_pairs(g_re, g_im), n, bias, 3, 2.5)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, f, rows, n)
+    err = (got.double() - want).abs()
+    # one rounding to bfloat16 (half a unit in the last place: at most 2^-8 of the value)
+    # of a float32 sum; the bias rows are rounded twice more, as torch adds it in bfloat16
+    bound = want.abs() * 2**-8 + 1e-5
+    parts = (want[0, :3] - 2.5 * _bf16(bias)).abs() + 2.5 * _bf16(bias).abs()
+    bound[0, :3] = parts * 3 * 2**-8 + 1e-5  # each rounding relative to what it rounds
+    assert (err <= bound).all(), (err / bound).max()
+    assert (err > 1e-4).any()  # rounded: not a float32 result in disguise
+
+
+@paired
+def test_paired_product_refuses_spectra_not_paired_for_it():
+    x = torch.randn(5, 4, 6)
+    packed = native.pack_pairs(torch.randn(5, 6, 20), torch.randn(5, 6, 20))
+    assert packed.dtype == torch.bfloat16 and packed.shape == (5, 2, 6, 16, 2)
+    with pytest.raises(ValueError, match="not paired for 5 x 6 x 40"):
+        native.paired_rows_product(x, x, packed, 40)
+    with pytest.raises(ValueError, match="bfloat16 spectra only"):
+        native.paired_rows_product(x, x, packed.float(), 20)
+    with pytest.raises(ValueError, match="at least one row, not 0"):
+        empty = torch.randn(5, 0, 6)
+        native.paired_rows_product(empty, empty, packed, 20)
+
+
+@paired
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_fft_path_takes_the_paired_kernel_in_bfloat16_eval(monkeypatch, batch):
+    """Under bfloat16 autocast in eval the FFT path packs float32 spectra once into pairs
+    (``fftb``) and stays as close to float32 as the ``torch.bmm`` forms do; outside
+    autocast, or with a gradient wanted, the kernel is not taken."""
+    torch.manual_seed(1)
+    conv = GroupRSTConv(3, 4, SPEC).eval()
+    with torch.no_grad():
+        conv.bias.normal_()
+    x = torch.randn(batch, 3, 8, 3, 10, 10)
+    with torch.no_grad():
+        exact = conv.forward_fft(x, bias=conv.bias)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fast = conv.forward_fft(x, bias=conv.bias)
+            assert any(key.startswith("fftb") for key in conv._cache)
+            monkeypatch.setattr(native, "paired_available", lambda *_: False)
+            plain = conv.forward_fft(x, bias=conv.bias)
+    scale = exact.abs().max()
+    fast_err, plain_err = (fast.float() - exact).abs().max(), (plain.float() - exact).abs().max()
+    assert fast_err < 0.02 * scale and fast_err <= 2 * plain_err + 1e-3 * scale
+    monkeypatch.undo()
+    rows = x.flatten(0, 3)[:, None]
+    assert not native.paired_available(rows, rows)  # no autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert native.paired_available(rows, rows)
+        rows.requires_grad_(True)
+        assert not native.paired_available(rows, rows)
+
+
+def test_the_kernel_shares_torchs_openmp_runtime():
+    """Loaded beside torch, the kernel's OpenMP threads are torch's own (one libgomp in the
+    process): a second runtime's threads would contend with torch's waiting ones."""
+    from pathlib import Path
+
+    torch.ones(4096).sum()  # torch's runtime started
+    lib = native._library()
+    mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()}
+    assert lib._name in mapped
+    assert len({path for path in mapped if "libgomp" in path}) == 1, mapped

@@ -558,6 +558,12 @@ class GroupRSTConv(_BasisConv):
         shape = (basis_spec.shape[1], self.in_channels * self.taps, self.out_channels)
         return tuple((part @ a).view(shape) for part in basis_spec)
 
+    def _float_spectra(self, *args) -> tuple[Tensor, Tensor]:
+        """``spectra(*args, gauss=False)`` computed in float32 even under autocast, for
+        kernels that round them once into their own layout."""
+        with torch.autocast(self.weight.device.type, enabled=False):
+            return self.spectra(*args, gauss=False)
+
     def quarter_turns(self, h: int, w: int) -> int:
         """4 when the FFT path can share each filter spectrum between output rotations a
         quarter turn apart, else 1. The sampled basis turns exactly by 90 degrees every R/4
@@ -631,6 +637,12 @@ class GroupRSTConv(_BasisConv):
                 lambda: native.pack_joined(*self.spectra(nh, nw, filt_rot, scales, gauss=False)),
             )
             y = native.joined_rows_product(x_re, x_im, g, self.out_channels, *dc)
+        elif native.paired_available(x_re, x_im):  # compiled, CPU bfloat16 eval
+            g = self._cached(
+                "fftb" + name,
+                lambda: native.pack_pairs(*self._float_spectra(nh, nw, filt_rot, scales)),
+            )
+            y = native.paired_rows_product(x_re, x_im, g, self.out_channels, *dc)
         elif bq <= JOINED_PRODUCT_ROWS:  # few rows: reading the spectra binds, two not three
             g = self._cached(
                 "fftj" + name,

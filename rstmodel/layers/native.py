@@ -41,12 +41,20 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["available", "pack_joined", "joined_rows_product", "TILE"]
+__all__ = [
+    "available",
+    "pack_joined",
+    "joined_rows_product",
+    "paired_available",
+    "pack_pairs",
+    "paired_rows_product",
+    "TILE",
+]
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("_joined_rows.c")
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-pthread")
+FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fopenmp")
 TILE = 16  # columns per tile: one AVX-512 register of float32
 _lock = threading.Lock()
 
@@ -109,6 +117,10 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.joined_rows_product
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5
     fn.restype = ctypes.c_int
+    if hasattr(lib, "paired_rows_product"):  # built where the CPU has AVX512-BF16
+        fn = lib.paired_rows_product
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
+        fn.restype = ctypes.c_int
     return lib
 
 
@@ -125,6 +137,19 @@ def available(x_re: Tensor, x_im: Tensor) -> bool:
     )
 
 
+def paired_available(x_re: Tensor, x_im: Tensor) -> bool:
+    """Whether ``paired_rows_product`` serves these row blocks: bfloat16 autocast eval on
+    the CPU (no gradient wanted) and the kernel built here with AVX512-BF16."""
+    lib = _library() if x_re.device.type == "cpu" else None
+    return (
+        lib is not None
+        and hasattr(lib, "paired_rows_product")
+        and torch.is_autocast_enabled("cpu")
+        and torch.get_autocast_dtype("cpu") == torch.bfloat16
+        and not (torch.is_grad_enabled() and (x_re.requires_grad or x_im.requires_grad))
+    )
+
+
 def pack_joined(g_re: Tensor, g_im: Tensor) -> Tensor:
     """Filter spectra ``[F, K, N]`` (real and imaginary parts) as the kernel reads them:
     ``[F, T, K, 2, TILE]``, tile t holding columns ``t*TILE : (t+1)*TILE`` (zero past N),
@@ -135,6 +160,18 @@ def pack_joined(g_re: Tensor, g_im: Tensor) -> Tensor:
     packed[:, :, 0, :n] = g_re
     packed[:, :, 1, :n] = g_im
     return packed.view(f, k, 2, tiles, TILE).permute(0, 3, 1, 2, 4).contiguous()
+
+
+def pack_pairs(g_re: Tensor, g_im: Tensor) -> Tensor:
+    """Filter spectra ``[F, K, N]`` as ``paired_rows_product`` reads them: bfloat16
+    ``[F, T, K, TILE, 2]``, tile t holding columns ``t*TILE : (t+1)*TILE`` (zero past N),
+    each column's (Re G, Im G) side by side. Round the spectra once: pass them in float32."""
+    f, k, n = g_re.shape
+    tiles = -(-n // TILE)
+    packed = torch.zeros(f, k, tiles * TILE, 2, dtype=torch.bfloat16, device=g_re.device)
+    packed[:, :, :n, 0] = g_re
+    packed[:, :, :n, 1] = g_im
+    return packed.view(f, k, tiles, TILE, 2).transpose(1, 2).contiguous()
 
 
 def joined_rows_product(
@@ -160,6 +197,39 @@ def joined_rows_product(
         x.data_ptr(), packed.data_ptr(), y.data_ptr(), f, m, k, n, threads
     ):
         raise ValueError(f"the kernel takes at least one row, not {m}")
+    if bias is not None:
+        y[0, :dc_rows] += bias.to(y.dtype) * dc_scale
+    return y
+
+
+def paired_rows_product(
+    x_re: Tensor,
+    x_im: Tensor,
+    packed: Tensor,
+    n: int,
+    bias: Tensor | None = None,
+    dc_rows: int = 0,
+    dc_scale: float = 1.0,
+) -> Tensor:
+    """``joined_rows_product`` in bfloat16 with the spectra packed by ``pack_pairs``:
+    x ``[F, M, K]`` each (rounded to bfloat16) -> ``[Re y; Im y]`` ``[2, F, M, N]``
+    bfloat16, each output summed in float32 and rounded once; the bias added as there."""
+    f, m, k = x_re.shape
+    if packed.shape != (f, -(-n // TILE), k, TILE, 2) or not packed.is_contiguous():
+        raise ValueError(f"spectra {tuple(packed.shape)} are not paired for {f} x {k} x {n}")
+    if packed.dtype != torch.bfloat16:
+        raise ValueError(f"bfloat16 spectra only, not {packed.dtype}")
+    x_re = x_re.to(torch.bfloat16).contiguous()
+    x_im = x_im.to(torch.bfloat16).contiguous()
+    y = x_re.new_empty(2, f, m, n)
+    threads = max(1, torch.get_num_threads())
+    err = _library().paired_rows_product(
+        x_re.data_ptr(), x_im.data_ptr(), packed.data_ptr(), y.data_ptr(), f, m, k, n, threads
+    )
+    if err:
+        raise ValueError(
+            f"the kernel takes at least one row, not {m}" if err == 1 else "out of memory"
+        )
     if bias is not None:
         y[0, :dc_rows] += bias.to(y.dtype) * dc_scale
     return y
