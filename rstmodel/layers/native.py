@@ -1,5 +1,5 @@
-"""A compiled kernel for the FFT path's per-frequency products in eval on the CPU (float32,
-AVX-512).
+"""Compiled kernels for the FFT path's per-frequency products in eval on the CPU: float32
+with AVX-512, and bfloat16 autocast where the CPU has AVX512-BF16.
 
 At batch 1 the eval forward's per-frequency complex products (``[4 turned copies, Cin] x
 [Cin, Cout]`` for every frequency) read hundreds of MB of filter spectra and do 8 multiply-
@@ -15,12 +15,30 @@ form's time and the forward the same within noise, with two packed spectra cache
 Gauss form keeps three (636 against 915 MiB at batch 8): it serves float32 eval at every
 batch (BENCHMARKS.md, "Issue 13, fourteenth session").
 
-The kernel is compiled with the system's C compiler on first use (``-O3 -march=native``,
-about a second) into a cache folder keyed by the source, the compiler flags and the CPU's
-flags: ``$RSTMODEL_CACHE``, else ``$XDG_CACHE_HOME/rstmodel``, else ``~/.cache/rstmodel``.
-Where there is no compiler, the CPU lacks AVX-512, or ``RSTMODEL_NATIVE=0``, ``available``
-is False and the library keeps ``torch.bmm`` (``kernels.joined_complex_product``), the
-reference this kernel is tested against.
+In bfloat16 (``paired_rows_product``) each 32-bit lane of the packed spectra holds one
+column's pair (Re G, Im G), and one AVX512-BF16 dot-product instruction, which sums two
+bfloat16 products into float32, gives the real part of a complex product for 16 columns
+from the broadcast pair (Re x, -Im x), or the imaginary part from (Im x, Re x): the four
+real products in two instructions, two bytes per spectrum value read (the Gauss form's
+three spectra: six), the sums rounded to bfloat16 once. It serves eval under bfloat16
+autocast at every batch, what the web app runs (BENCHMARKS.md, "Issue 13, fifteenth
+session").
+
+Both kernels split the frequencies between OpenMP threads. Built with ``-fopenmp`` the
+library needs ``libgomp.so.1``, which the loader finds already loaded beside torch (its
+wheel bundles that soname): the threads are torch's own pool, and none of them spins
+against the kernel for the cores, as a separate set of threads did (the bfloat16 products
+at batch 8 took 130 ms on their own pthreads beside torch's waiting threads, 82 on
+torch's).
+
+The kernels are compiled with the system's C compiler on first use (``-O3 -march=native
+-fopenmp``, about a second) into a cache folder keyed by the source, the compiler flags
+and the CPU's flags: ``$RSTMODEL_CACHE``, else ``$XDG_CACHE_HOME/rstmodel``, else
+``~/.cache/rstmodel``. Where there is no compiler, the CPU lacks AVX-512, or
+``RSTMODEL_NATIVE=0``, ``available`` and ``paired_available`` are False and the library keeps
+``torch.bmm`` (``kernels.joined_complex_product``, ``kernels._GaussProduct``), the
+references these kernels are tested against; without AVX512-BF16 only the float32 kernel
+is built.
 """
 
 from __future__ import annotations
