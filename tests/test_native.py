@@ -216,3 +216,91 @@ def test_the_kernel_shares_torchs_openmp_runtime():
     mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()}
     assert lib._name in mapped
     assert len({path for path in mapped if "libgomp" in path}) == 1, mapped
+
+
+@pytest.mark.parametrize("cout", [5, 16, 37, 69, 100])
+@pytest.mark.parametrize("relu,with_bias", [(True, True), (False, False)])
+@pytest.mark.parametrize("kk", [12, 7])
+def test_pooled_mix_is_the_torch_mixing_and_pool_in_float32(cout, relu, with_bias, kk):
+    """Widths below, at and past one tile of 16 and past one group of five tiles, odd and
+    even inputs, with and without bias and ReLU: the values of ``_pooled_mix_rows``."""
+    from rstmodel.layers.kernels import _pooled_mix_rows
+
+    h, w, m = 6, 4, 3
+    resp = torch.randn(h, w * m, kk)
+    a, bias = torch.randn(cout, kk), torch.randn(cout) if with_bias else None
+    want, _ = _pooled_mix_rows(resp, a, bias, relu, w, argmax=False)
+    got = native.pooled_mix(resp, a, bias, relu, w)
+    assert got.shape == (h // 2, w // 2, m, cout) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not relu or (got >= 0).all()
+
+
+@paired
+@pytest.mark.parametrize("cout", [16, 37, 100])
+def test_pooled_mix_in_bfloat16_rounds_once(cout):
+    """bfloat16 responses and weights: each pooled output is the exact value rounded once
+    (half a unit in the last place at most)."""
+    from rstmodel.layers.kernels import _pooled_mix_rows
+
+    h, w, m, kk = 4, 6, 5, 12
+    resp = torch.randn(h, w * m, kk).bfloat16()
+    a, bias = torch.randn(cout, kk), torch.randn(cout)
+    want, _ = _pooled_mix_rows(
+        resp.double(), _bf16(a), bias.double(), True, w, argmax=False
+    )  # the weights rounded as the kernel reads them, the bias in float32
+    got = native.pooled_mix(resp, a, bias, True, w)
+    assert got.dtype == torch.bfloat16 and got.shape == (h // 2, w // 2, m, cout)
+    err = (got.double() - want).abs()
+    assert (err <= want.abs() * 2**-8 + 1e-5).all(), err.max()
+    assert (err > 1e-4).any()
+
+
+def test_pooled_mix_says_what_it_cannot_take():
+    resp = torch.randn(4, 6 * 2, 12)
+    with pytest.raises(ValueError, match="do not fit 5 columns"):
+        native.pooled_mix(resp, torch.randn(8, 12), None, True, 5)
+    with pytest.raises(ValueError, match="do not fit 6 columns and 12 inputs"):
+        native.pooled_mix(resp, torch.randn(8, 11), None, True, 6)
+    odd = torch.randn(4, 12, 7).bfloat16()
+    assert not native.pooled_mix_available(odd)
+    with pytest.raises(ValueError, match="even KK"):
+        native.pooled_mix(odd, torch.randn(8, 7), None, True, 6)
+    assert not native.pooled_mix_available(resp.double())
+    weight = torch.randn(8, 12, requires_grad=True)
+    assert not native.pooled_mix_available(resp, weight, None)  # its gradient is wanted
+    with torch.no_grad():
+        assert native.pooled_mix_available(resp, weight, None)
+    assert not native.pooled_mix_available(resp.requires_grad_(True))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_lifting_layer_takes_the_pooled_mix_in_eval(monkeypatch, precision):
+    """A model's eval forward runs the lifting layer's mixing and pool through the kernel,
+    and its logits are those of the torch path: the same in float32 (within round-off), as
+    close to float32 as the torch path in bfloat16."""
+    from rstmodel import create_model
+    from rstmodel.precision import bf16_supported, inference
+
+    if precision == "bf16" and not (
+        bf16_supported() and native.pooled_mix_available(torch.zeros(2, 2, 2, dtype=torch.bfloat16))
+    ):
+        pytest.skip("no AVX512-BF16 kernel on this machine")
+    torch.manual_seed(0)
+    model = create_model("rst_cnn_fb", channels=(20, 6, 8)).eval()  # the basis path lifts
+    x = torch.randn(2, 1, 56, 56)
+    calls = []
+    real = native.pooled_mix
+    monkeypatch.setattr(native, "pooled_mix", lambda *a: calls.append(1) or real(*a))
+    with inference("fp32"):
+        exact = model(x)
+    with inference(precision):
+        fast = model(x).float()
+        assert calls
+        monkeypatch.setattr(native, "pooled_mix_available", lambda *_: False)
+        plain = model(x).float()
+    if precision == "fp32":
+        torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+    else:
+        scale = exact.abs().max()
+        assert (fast - exact).abs().max() <= 2 * (plain - exact).abs().max() + 0.01 * scale

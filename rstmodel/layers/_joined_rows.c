@@ -180,3 +180,155 @@ int paired_rows_product(const unsigned short *x_re, const unsigned short *x_im, 
   return failed ? 2 : 0;
 }
 #endif
+
+/* The lifting layer's channel mixing and 2x2 max pool in one pass, for eval
+ * (rstmodel.layers.native.pooled_mix): for each 2x2 window (i, j) and each (rotation,
+ * scale, image) m, the four pixels' basis responses r[4][KK] (pixel (y, x) of m at
+ * resp + ((y w + x) M + m) KK) times the weights give four output vectors of COUT
+ * channels, summed in registers; their maximum plus the bias, through the ReLU, is the
+ * only thing written: out[((i w/2 + j) M + m) COUT + c]. The weights are packed in tiles
+ * of 16 channels, wt[t][k][16] (float32) or wt[t][k/2][16] pairs (bfloat16), zero past
+ * COUT; the bias is float32, zero-padded to whole tiles. Up to TGROUP tiles at a time
+ * (4 x TGROUP sums in registers). */
+#define TGROUP 5
+
+typedef struct {
+  const void *resp, *wt;
+  const float *bias;
+  void *out;
+  long h, w, m, kk, cout, relu;
+} mjob_t;
+
+static inline __attribute__((always_inline)) v16 pool4(v16 a, v16 b, v16 c, v16 d, v16 bias,
+                                                        long relu) {
+  __m512 top = _mm512_max_ps((__m512)a, (__m512)b), low = _mm512_max_ps((__m512)c, (__m512)d);
+  __m512 mx = _mm512_add_ps(_mm512_max_ps(top, low), (__m512)bias);
+  return (v16)(relu ? _mm512_max_ps(mx, _mm512_setzero_ps()) : mx);
+}
+
+/* float32: tiles [t0, t0 + g) of one window and branch; p[q] the q-th pixel's responses */
+static inline __attribute__((always_inline)) void mix_f32(const float *const p[4],
+                                                          const float *wt, const float *bias,
+                                                          float *o, long kk, long cout, long t0,
+                                                          long relu, const long g) {
+  v16 acc[4][TGROUP];
+  for (long q = 0; q < 4; ++q)
+    for (long t = 0; t < g; ++t) acc[q][t] = (v16){0};
+  for (long i = 0; i < kk; ++i) {
+    v16 wv[TGROUP];
+    for (long t = 0; t < g; ++t) wv[t] = *(const v16u *)(wt + ((t0 + t) * kk + i) * LANES);
+    for (long q = 0; q < 4; ++q) {
+      const float s = p[q][i];
+      for (long t = 0; t < g; ++t) acc[q][t] += s * wv[t];
+    }
+  }
+  for (long t = 0; t < g; ++t) {
+    const long c0 = (t0 + t) * LANES, width = cout - c0 < LANES ? cout - c0 : LANES;
+    const v16 y = pool4(acc[0][t], acc[1][t], acc[2][t], acc[3][t],
+                        *(const v16u *)(bias + c0), relu);
+    _mm512_mask_storeu_ps(o + c0, (__mmask16)((1u << width) - 1), (__m512)y);
+  }
+}
+
+static void mix_f32_rows(const mjob_t *j, long u0, long u1) {
+  const long m = j->m, kk = j->kk, cout = j->cout, half = j->w / 2;
+  const long tiles = (cout + LANES - 1) / LANES;
+  const float *resp = j->resp;
+  for (long u = u0; u < u1; ++u) { /* u = (i half + jj) m + mi */
+    const long mi = u % m, win = u / m, y = 2 * (win / half), x = 2 * (win % half);
+    const float *const p[4] = {resp + ((y * j->w + x) * m + mi) * kk,
+                               resp + ((y * j->w + x + 1) * m + mi) * kk,
+                               resp + (((y + 1) * j->w + x) * m + mi) * kk,
+                               resp + (((y + 1) * j->w + x + 1) * m + mi) * kk};
+    float *o = (float *)j->out + u * cout;
+    long t0 = 0;
+    for (; t0 + TGROUP <= tiles; t0 += TGROUP)
+      mix_f32(p, j->wt, j->bias, o, kk, cout, t0, j->relu, TGROUP);
+    switch (tiles - t0) {
+    case 4: mix_f32(p, j->wt, j->bias, o, kk, cout, t0, j->relu, 4); break;
+    case 3: mix_f32(p, j->wt, j->bias, o, kk, cout, t0, j->relu, 3); break;
+    case 2: mix_f32(p, j->wt, j->bias, o, kk, cout, t0, j->relu, 2); break;
+    case 1: mix_f32(p, j->wt, j->bias, o, kk, cout, t0, j->relu, 1); break;
+    }
+  }
+}
+
+int pooled_mix_f32(const float *resp, const float *wt, const float *bias, float *out, long h,
+                   long w, long m, long kk, long cout, long relu, long threads) {
+  if (h < 2 || w < 2 || m < 1 || kk < 1 || cout < 1 || threads < 1) return 1;
+  const mjob_t job = {resp, wt, bias, out, h, w, m, kk, cout, relu};
+  const long units = (h / 2) * (w / 2) * m;
+#pragma omp parallel num_threads(threads)
+  {
+    const long i = omp_get_thread_num(), t = omp_get_num_threads();
+    mix_f32_rows(&job, units * i / t, units * (i + 1) / t);
+  }
+  return 0;
+}
+
+#ifdef __AVX512BF16__
+/* bfloat16: the responses as pairs (two channels of one pixel in 32 bits), the weights as
+ * the matching pairs of each output channel; one dot-product instruction per pair and
+ * tile. The pooled value is rounded to bfloat16 once. */
+static inline __attribute__((always_inline)) void mix_bf16(const int *const p[4], const int *wt,
+                                                           const float *bias,
+                                                           unsigned short *o, long pairs,
+                                                           long cout, long t0, long relu,
+                                                           const long g) {
+  __m512 acc[4][TGROUP];
+  for (long q = 0; q < 4; ++q)
+    for (long t = 0; t < g; ++t) acc[q][t] = _mm512_setzero_ps();
+  for (long i = 0; i < pairs; ++i) {
+    __m512bh wv[TGROUP];
+    for (long t = 0; t < g; ++t)
+      wv[t] = (__m512bh)_mm512_loadu_si512(wt + ((t0 + t) * pairs + i) * LANES);
+    for (long q = 0; q < 4; ++q) {
+      const __m512bh s = (__m512bh)_mm512_set1_epi32(p[q][i]);
+      for (long t = 0; t < g; ++t) acc[q][t] = _mm512_dpbf16_ps(acc[q][t], s, wv[t]);
+    }
+  }
+  for (long t = 0; t < g; ++t) {
+    const long c0 = (t0 + t) * LANES, width = cout - c0 < LANES ? cout - c0 : LANES;
+    const v16 y = pool4((v16)acc[0][t], (v16)acc[1][t], (v16)acc[2][t], (v16)acc[3][t],
+                        *(const v16u *)(bias + c0), relu);
+    _mm256_mask_storeu_epi16(o + c0, (__mmask16)((1u << width) - 1),
+                             (__m256i)_mm512_cvtneps_pbh((__m512)y));
+  }
+}
+
+static void mix_bf16_rows(const mjob_t *j, long u0, long u1) {
+  const long m = j->m, pairs = j->kk / 2, cout = j->cout, half = j->w / 2;
+  const long tiles = (cout + LANES - 1) / LANES;
+  const int *resp = j->resp;
+  for (long u = u0; u < u1; ++u) {
+    const long mi = u % m, win = u / m, y = 2 * (win / half), x = 2 * (win % half);
+    const int *const p[4] = {resp + ((y * j->w + x) * m + mi) * pairs,
+                             resp + ((y * j->w + x + 1) * m + mi) * pairs,
+                             resp + (((y + 1) * j->w + x) * m + mi) * pairs,
+                             resp + (((y + 1) * j->w + x + 1) * m + mi) * pairs};
+    unsigned short *o = (unsigned short *)j->out + u * cout;
+    long t0 = 0;
+    for (; t0 + TGROUP <= tiles; t0 += TGROUP)
+      mix_bf16(p, j->wt, j->bias, o, pairs, cout, t0, j->relu, TGROUP);
+    switch (tiles - t0) {
+    case 4: mix_bf16(p, j->wt, j->bias, o, pairs, cout, t0, j->relu, 4); break;
+    case 3: mix_bf16(p, j->wt, j->bias, o, pairs, cout, t0, j->relu, 3); break;
+    case 2: mix_bf16(p, j->wt, j->bias, o, pairs, cout, t0, j->relu, 2); break;
+    case 1: mix_bf16(p, j->wt, j->bias, o, pairs, cout, t0, j->relu, 1); break;
+    }
+  }
+}
+
+int pooled_mix_bf16(const int *resp, const int *wt, const float *bias, unsigned short *out,
+                    long h, long w, long m, long kk, long cout, long relu, long threads) {
+  if (h < 2 || w < 2 || m < 1 || kk < 2 || kk % 2 || cout < 1 || threads < 1) return 1;
+  const mjob_t job = {resp, wt, bias, out, h, w, m, kk, cout, relu};
+  const long units = (h / 2) * (w / 2) * m;
+#pragma omp parallel num_threads(threads)
+  {
+    const long i = omp_get_thread_num(), t = omp_get_num_threads();
+    mix_bf16_rows(&job, units * i / t, units * (i + 1) / t);
+  }
+  return 0;
+}
+#endif

@@ -301,6 +301,8 @@ class LiftingRSTConv(_BasisConv):
         resp = resp.view(h, -1, a.shape[1])
         if use_triton(resp) and not resp.requires_grad and pooled_mix_fits(resp):
             y = pooled_mix(resp, a, self.bias, relu, w)  # one kernel each way
+        elif native.pooled_mix_available(resp, a, self.bias):  # compiled, CPU: one pass
+            y = native.pooled_mix(resp, a, self.bias, relu, w)
         elif torch.is_grad_enabled():
             y = _PooledMix.apply(resp, a, self.bias, relu, w)
         else:  # no backward to come: no argmax to keep (the weights still require grad)

@@ -66,6 +66,8 @@ __all__ = [
     "paired_available",
     "pack_pairs",
     "paired_rows_product",
+    "pooled_mix_available",
+    "pooled_mix",
     "TILE",
 ]
 
@@ -135,10 +137,14 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.joined_rows_product
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5
     fn.restype = ctypes.c_int
+    lib.pooled_mix_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 7
+    lib.pooled_mix_f32.restype = ctypes.c_int
     if hasattr(lib, "paired_rows_product"):  # built where the CPU has AVX512-BF16
         fn = lib.paired_rows_product
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
         fn.restype = ctypes.c_int
+        lib.pooled_mix_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 7
+        lib.pooled_mix_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -251,3 +257,52 @@ def paired_rows_product(
     if bias is not None:
         y[0, :dc_rows] += bias.to(y.dtype) * dc_scale
     return y
+
+
+def pooled_mix_available(resp: Tensor, *params: Tensor | None) -> bool:
+    """Whether ``pooled_mix`` serves the lifting layer's responses ``resp`` ``[H, W*M, KK]``
+    mixed by ``params`` (weights, bias): on the CPU, no gradient wanted for any of them,
+    float32, or bfloat16 with an even KK where the CPU has AVX512-BF16, and the kernels
+    built here."""
+    lib = _library() if resp.device.type == "cpu" else None
+    wanted = any(t is not None and t.requires_grad for t in (resp, *params))
+    if lib is None or (torch.is_grad_enabled() and wanted):
+        return False
+    if resp.dtype == torch.float32:
+        return True
+    return (
+        resp.dtype == torch.bfloat16 and hasattr(lib, "pooled_mix_bf16") and resp.shape[-1] % 2 == 0
+    )
+
+
+def pooled_mix(resp: Tensor, a: Tensor, bias: Tensor | None, relu: bool, w: int) -> Tensor:
+    """``kernels._pooled_mix_rows(resp, a, bias, relu, w, argmax=False)[0]`` in one pass, in
+    ``resp``'s dtype: the responses ``[H, W*M, KK]`` of M maps times ``a`` ``[Cout, KK]``,
+    plus the bias, each 2x2 window's maximum, through the ReLU if ``relu``: ``[H/2, W/2, M,
+    Cout]``. The full-resolution mixed map is never written; each output is summed in
+    float32 and rounded once."""
+    h, wm, kk = resp.shape
+    m, cout = wm // w, a.shape[0]
+    if h % 2 or w % 2 or wm != w * m or a.shape[1] != kk:
+        raise ValueError(f"responses {tuple(resp.shape)} do not fit {w} columns and {kk} inputs")
+    tiles = -(-cout // TILE)
+    padded = torch.zeros(tiles * TILE, dtype=torch.float32)
+    if bias is not None:
+        padded[:cout] = bias.detach().float()
+    wt = torch.zeros(tiles * TILE, kk, dtype=resp.dtype)
+    wt[:cout] = a.detach()
+    out = resp.new_empty(h // 2, w // 2, m, cout)
+    resp = resp.contiguous()
+    if resp.dtype == torch.float32:
+        fn, wt = _library().pooled_mix_f32, wt.view(tiles, TILE, kk).transpose(1, 2)
+    elif resp.dtype == torch.bfloat16 and kk % 2 == 0:
+        fn = _library().pooled_mix_bf16
+        wt = wt.view(tiles, TILE, kk // 2, 2).transpose(1, 2)  # pairs of channels
+    else:
+        raise ValueError(f"float32, or bfloat16 with an even KK, not {resp.dtype} with {kk}")
+    wt = wt.contiguous()
+    threads = max(1, torch.get_num_threads())
+    args = (resp.data_ptr(), wt.data_ptr(), padded.data_ptr(), out.data_ptr(), h, w, m, kk, cout)
+    if fn(*args, int(relu), threads):
+        raise ValueError(f"no 2x2 window in {h} x {w}")
+    return out
