@@ -304,3 +304,53 @@ def test_the_lifting_layer_takes_the_pooled_mix_in_eval(monkeypatch, precision):
     else:
         scale = exact.abs().max()
         assert (fast - exact).abs().max() <= 2 * (plain - exact).abs().max() + 0.01 * scale
+
+
+@paired
+@pytest.mark.parametrize(
+    "a_shape,b_shape",
+    [((5, 6), (6, 33)), ((13, 2), (2, 32)), ((8, 28), (3, 28, 70)), ((70, 56), (56, 100))],
+)
+def test_small_gemm_is_the_product_rounded_once(a_shape, b_shape):
+    """Rows of A below, at and past one block of eight; panels of 32 columns whole and cut
+    short; one matrix or a batch: the exact product of the bfloat16 inputs, rounded once."""
+    a = torch.randn(*a_shape).bfloat16()
+    b = torch.randn(*b_shape).bfloat16()
+    want = a.double() @ b.double()
+    got = native.small_gemm(a, b)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    err = (got.double() - want).abs()
+    assert (err <= want.abs() * 2**-8 + 1e-5).all(), err.max()
+
+
+@paired
+def test_small_gemm_refuses_what_it_cannot_take():
+    b = torch.randn(7, 40).bfloat16()
+    assert not native.small_gemm_available(torch.randn(4, 7).bfloat16(), b)  # odd K
+    assert not native.small_gemm_available(torch.randn(4, 6), torch.randn(6, 40))  # float32
+    assert not native.small_gemm_available(torch.randn(4, 6).bfloat16(), b)  # K mismatch
+    a = torch.randn(4, 6).bfloat16().requires_grad_(True)
+    assert not native.small_gemm_available(a, torch.randn(6, 40).bfloat16())
+    with pytest.raises(ValueError, match="even K"):
+        native.small_gemm(torch.randn(4, 7).bfloat16(), b)
+
+
+@paired
+def test_the_dfts_take_the_small_gemm_in_bfloat16(monkeypatch):
+    """Under bfloat16 autocast the FFT path's DFTs run through the kernel and the layer's
+    output stays as close to float32 as with torch's GEMMs."""
+    torch.manual_seed(2)
+    conv = GroupRSTConv(3, 4, SPEC).eval()
+    x = torch.randn(2, 3, 8, 3, 10, 10)
+    calls = []
+    real = native.small_gemm
+    monkeypatch.setattr(native, "small_gemm", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        exact = conv.forward_fft(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            fast = conv.forward_fft(x).float()
+            assert len(calls) >= 4  # two GEMMs each way
+            monkeypatch.setattr(native, "small_gemm_available", lambda *_: False)
+            plain = conv.forward_fft(x).float()
+    scale = exact.abs().max()
+    assert (fast - exact).abs().max() <= 2 * (plain - exact).abs().max() + 1e-3 * scale

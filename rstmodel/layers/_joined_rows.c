@@ -332,3 +332,88 @@ int pooled_mix_bf16(const int *resp, const int *wt, const float *bias, unsigned 
   return 0;
 }
 #endif
+
+#ifdef __AVX512BF16__
+/* The DFTs' GEMMs in bfloat16 (rstmodel.layers.native.small_gemm): C[b] = A B[b] with a
+ * small A (M x K, K even: a DFT matrix of a few dozen rows and columns) and long rows in B
+ * (K x N, millions of columns, or a batch of them). A library GEMM tiles for square
+ * problems; here the whole of A stays in L1 and B streams through once. For each panel of
+ * 32 columns, the K rows of B are interleaved into pairs of rows, (B[2p, n], B[2p+1, n]) in
+ * one 32-bit lane (a two-source word permute), kept in an L1 buffer; then each block of
+ * RB rows of A sums its 2 x 16 columns in 2 RB registers, one dot-product instruction per
+ * pair of A's row, broadcast from A's row-major storage as it is (adjacent k are a pair).
+ * C gets the sums rounded once to bfloat16. Threads split the (batch, panel) pairs. */
+#define RB 8
+#define KMAX 512
+
+typedef struct {
+  const int *a; /* [M][K/2] pairs */
+  const unsigned short *b;
+  unsigned short *c;
+  long batch, ldb_batch, ldc_batch, m, k, n;
+} gjob_t;
+
+static inline __attribute__((always_inline)) void gblock(const int *a, const int *buf,
+                                                         unsigned short *c, long n, long pairs,
+                                                         long m0, __mmask32 mask, const long g) {
+  __m512 acc[RB][2];
+  for (long r = 0; r < g; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const int *ar = a + m0 * pairs;
+  for (long p = 0; p < pairs; ++p) {
+    const __m512bh b0 = (__m512bh)_mm512_load_si512(buf + p * 32);
+    const __m512bh b1 = (__m512bh)_mm512_load_si512(buf + p * 32 + 16);
+#pragma GCC unroll 8
+    for (long r = 0; r < g; ++r) {
+      const __m512bh s = (__m512bh)_mm512_set1_epi32(ar[r * pairs + p]);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], s, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], s, b1);
+    }
+  }
+  for (long r = 0; r < g; ++r)
+    _mm512_mask_storeu_epi16(c + (m0 + r) * n, mask,
+                             (__m512i)_mm512_cvtne2ps_pbh(acc[r][1], acc[r][0]));
+}
+
+static void gpanel(const gjob_t *j, long bi, long n0, int *buf) {
+  const long m = j->m, pairs = j->k / 2, n = j->n, width = n - n0 < 32 ? n - n0 : 32;
+  const __mmask32 mask = width == 32 ? ~(__mmask32)0 : (((__mmask32)1 << width) - 1);
+  const unsigned short *b = j->b + bi * j->ldb_batch + n0;
+  unsigned short *c = j->c + bi * j->ldc_batch + n0;
+  static const short lo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i idx_lo = _mm512_loadu_si512(lo);
+  const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
+  for (long p = 0; p < pairs; ++p) {
+    const __m512i r0 = _mm512_maskz_loadu_epi16(mask, b + 2 * p * n);
+    const __m512i r1 = _mm512_maskz_loadu_epi16(mask, b + (2 * p + 1) * n);
+    _mm512_store_si512(buf + p * 32, _mm512_permutex2var_epi16(r0, idx_lo, r1));
+    _mm512_store_si512(buf + p * 32 + 16, _mm512_permutex2var_epi16(r0, idx_hi, r1));
+  }
+  long m0 = 0;
+  for (; m0 + RB <= m; m0 += RB) gblock(j->a, buf, c, n, pairs, m0, mask, RB);
+  switch (m - m0) {
+  case 7: gblock(j->a, buf, c, n, pairs, m0, mask, 7); break;
+  case 6: gblock(j->a, buf, c, n, pairs, m0, mask, 6); break;
+  case 5: gblock(j->a, buf, c, n, pairs, m0, mask, 5); break;
+  case 4: gblock(j->a, buf, c, n, pairs, m0, mask, 4); break;
+  case 3: gblock(j->a, buf, c, n, pairs, m0, mask, 3); break;
+  case 2: gblock(j->a, buf, c, n, pairs, m0, mask, 2); break;
+  case 1: gblock(j->a, buf, c, n, pairs, m0, mask, 1); break;
+  }
+}
+
+int small_gemm_bf16(const int *a, const unsigned short *b, unsigned short *c, long batch,
+                    long m, long k, long n, long threads) {
+  if (batch < 1 || m < 1 || k < 2 || k % 2 || k > KMAX || n < 1 || threads < 1) return 1;
+  const gjob_t job = {a, b, c, batch, k * n, m * n, m, k, n};
+  const long panels = (n + 31) / 32, units = batch * panels;
+#pragma omp parallel num_threads(threads)
+  {
+    int buf[KMAX / 2 * 32] __attribute__((aligned(64)));
+    const long i = omp_get_thread_num(), t = omp_get_num_threads();
+    for (long u = units * i / t; u < units * (i + 1) / t; ++u)
+      gpanel(&job, u / panels, (u % panels) * 32, buf);
+  }
+  return 0;
+}
+#endif

@@ -68,6 +68,8 @@ __all__ = [
     "paired_rows_product",
     "pooled_mix_available",
     "pooled_mix",
+    "small_gemm_available",
+    "small_gemm",
     "TILE",
 ]
 
@@ -145,6 +147,8 @@ def _library() -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
         lib.pooled_mix_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 7
         lib.pooled_mix_bf16.restype = ctypes.c_int
+        lib.small_gemm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5
+        lib.small_gemm_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -306,3 +310,45 @@ def pooled_mix(resp: Tensor, a: Tensor, bias: Tensor | None, relu: bool, w: int)
     if fn(*args, int(relu), threads):
         raise ValueError(f"no 2x2 window in {h} x {w}")
     return out
+
+
+SMALL_GEMM_MAX_K = 512  # the kernel's buffer of paired rows (KMAX)
+
+
+def small_gemm_available(a: Tensor, b: Tensor) -> bool:
+    """Whether ``small_gemm`` serves ``a @ b``: bfloat16 on the CPU, an even K of at most
+    ``SMALL_GEMM_MAX_K``, no gradient wanted through the product, the kernel built here
+    (AVX512-BF16)."""
+    lib = _library() if a.device.type == b.device.type == "cpu" else None
+    k = a.shape[-1]
+    return (
+        lib is not None
+        and hasattr(lib, "small_gemm_bf16")
+        and a.dtype == b.dtype == torch.bfloat16
+        and a.dim() == 2
+        and b.dim() in (2, 3)
+        and b.shape[-2] == k
+        and k % 2 == 0
+        and 2 <= k <= SMALL_GEMM_MAX_K
+        and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
+    )
+
+
+def small_gemm(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` in bfloat16 for a small ``a`` ``[M, K]`` and ``b`` ``[K, N]`` or ``[B, K,
+    N]`` with long rows (the DFTs' GEMMs): each output summed in float32, rounded once."""
+    if not small_gemm_available(a, b):
+        raise ValueError(
+            f"bfloat16 [M, K] @ [(B,) K, N] with an even K <= {SMALL_GEMM_MAX_K} only, not "
+            f"{a.dtype} {tuple(a.shape)} @ {b.dtype} {tuple(b.shape)}"
+        )
+    m, k = a.shape
+    batch, n = (1 if b.dim() == 2 else b.shape[0]), b.shape[-1]
+    a, b = a.contiguous(), b.contiguous()
+    c = b.new_empty(*b.shape[:-2], m, n)
+    threads = max(1, torch.get_num_threads())
+    if _library().small_gemm_bf16(
+        a.data_ptr(), b.data_ptr(), c.data_ptr(), batch, m, k, n, threads
+    ):
+        raise ValueError(f"no product for {tuple(a.shape)} @ {tuple(b.shape)}")
+    return c
