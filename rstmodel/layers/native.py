@@ -24,7 +24,17 @@ three spectra: six), the sums rounded to bfloat16 once. It serves eval under bfl
 autocast at every batch, what the web app runs (BENCHMARKS.md, "Issue 13, fifteenth
 session").
 
-Both kernels split the frequencies between OpenMP threads. Built with ``-fopenmp`` the
+Two more kernels serve eval on the CPU beside them. ``pooled_mix``: the lifting layer's
+channel mixing (each pixel's K basis responses times a ``[Cout, K]`` matrix) and the 2x2
+max pool with bias and ReLU in one pass, the full-resolution mixed map never written (a
+GEMM of inner size 12 ran at ~12 G multiply-adds/s in torch, chunked and pooled after);
+float32 gives the torch path's values (the same sums in the same order), bfloat16 rounds
+each pooled value once. ``small_gemm``: the DFTs' GEMMs in bfloat16, a DFT matrix of a few
+dozen rows and columns kept in L1 times maps with millions of columns, B's rows paired for
+the dot-product instruction by a word permute per panel of 32 columns (1.2-3.3x the library
+GEMM at the FFT path's shapes; it serves the DFTs' forward passes, in training too).
+
+All the kernels split their work between OpenMP threads. Built with ``-fopenmp`` the
 library needs ``libgomp.so.1``, which the loader finds already loaded beside torch (its
 wheel bundles that soname): the threads are torch's own pool, and none of them spins
 against the kernel for the cores, as a separate set of threads did (the bfloat16 products
@@ -35,10 +45,10 @@ The kernels are compiled with the system's C compiler on first use (``-O3 -march
 -fopenmp``, about a second) into a cache folder keyed by the source, the compiler flags
 and the CPU's flags: ``$RSTMODEL_CACHE``, else ``$XDG_CACHE_HOME/rstmodel``, else
 ``~/.cache/rstmodel``. Where there is no compiler, the CPU lacks AVX-512, or
-``RSTMODEL_NATIVE=0``, ``available`` and ``paired_available`` are False and the library keeps
-``torch.bmm`` (``kernels.joined_complex_product``, ``kernels._GaussProduct``), the
-references these kernels are tested against; without AVX512-BF16 only the float32 kernel
-is built.
+``RSTMODEL_NATIVE=0``, every ``*available`` check is False and the library keeps torch's
+forms (``kernels.joined_complex_product``, ``kernels._GaussProduct``,
+``kernels._pooled_mix_rows``, the DFTs' GEMMs), the references these kernels are tested
+against; without AVX512-BF16 only the float32 kernels are built.
 """
 
 from __future__ import annotations
