@@ -1057,3 +1057,40 @@ def test_fft_path_takes_the_joined_product_for_one_image_and_both_forms_agree():
         with torch.no_grad():
             conv.forward_fft(torch.randn(batch, 3, 8, 3, 10, 10, dtype=F64))
         assert conv._cache and all(k.startswith("fftj") == joined for k in conv._cache)
+
+
+@pytest.mark.parametrize("size", [(10, 10), (10, 14)])
+@pytest.mark.parametrize("dtype", [F64, torch.bfloat16])
+def test_group_conv_pooled_in_its_own_rows_is_the_conv_then_the_pool(size, dtype):
+    """The FFT path pooled before its scatter (``forward_pooled``: each block of scales
+    pooled where its maps are turned back by quarter turns; non-square maps have no quarter
+    turns) gives exactly the unfused conv, then ``RSTMaxPool``: max and the ReLU commute
+    with the rows' order, and a 2x2 window of an even-sided map turns into one."""
+    torch.manual_seed(0)
+    conv = GroupRSTConv(3, 4, SPEC3, method=ConvMethod.FFT).to(F64).eval()
+    with torch.no_grad():
+        conv.bias.normal_()
+    x = torch.randn(2, 3, 8, 3, *size, dtype=F64)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
+    with torch.no_grad(), ctx:
+        assert conv.pools_fused(x)
+        for relu in (True, False):
+            fused = conv.forward_pooled(x, relu=relu)
+            plain = RSTMaxPool(relu=relu)(conv(x))
+            assert fused.shape == (2, 4, 8, 3, size[0] // 2, size[1] // 2)
+            assert torch.equal(fused, plain)
+
+
+def test_group_conv_pools_fused_only_without_gradient_on_the_fft_path():
+    conv = GroupRSTConv(3, 4, SPEC3, method=ConvMethod.FFT)
+    x = torch.randn(1, 3, 8, 3, 10, 10)
+    assert not conv.pools_fused(x)  # the weights want their gradient
+    with torch.no_grad():
+        assert conv.pools_fused(x)
+        assert not conv.pools_fused(torch.randn(1, 3, 8, 3, 10, 11))  # odd side
+        assert not GroupRSTConv(3, 4, SPEC3, method=ConvMethod.DIRECT).pools_fused(x)
+    block = rstmodel.create_model("rst_cnn_fb", channels=(16, 6, 8)).eval().blocks[1]
+    h = torch.randn(2, 16, 8, 4, 28, 28)
+    with torch.no_grad():
+        assert block[0].pools_fused(h)
+        torch.testing.assert_close(block(h), nn.Sequential.forward(block, h), rtol=0, atol=0)

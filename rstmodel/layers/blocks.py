@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import Tensor, fx, nn
 
-from .conv import LiftingRSTConv
+from .conv import GroupRSTConv, LiftingRSTConv
 from .norm import RSTBatchNorm
 from .pooling import RSTMaxPool
 
@@ -15,7 +15,9 @@ __all__ = ["ConvPoolNorm"]
 class ConvPoolNorm(nn.Sequential):
     """conv -> ``RSTMaxPool`` (ReLU fused) -> ``RSTBatchNorm``. A lifting conv on its basis
     path runs fused with the pool (``LiftingRSTConv.forward_pooled``): the same values, a
-    quarter of the memory. Traced by ``torch.fx`` (export, baking), the block is the plain
+    quarter of the memory; so does a group conv on its FFT path without a gradient
+    (``GroupRSTConv.forward_pooled``: the pooled quarter of each map, not the whole, goes
+    back to the feature layout). Traced by ``torch.fx`` (export, baking), the block is the plain
     sequence, so a graph sees the three layers."""
 
     def __init__(self, conv: nn.Module, channels: int):
@@ -23,7 +25,10 @@ class ConvPoolNorm(nn.Sequential):
 
     def forward(self, x: Tensor) -> Tensor:
         conv, pool, norm = self
-        fused = isinstance(conv, LiftingRSTConv)
-        if fused and not isinstance(x, fx.Proxy) and conv.pools_fused():
+        if isinstance(x, fx.Proxy):
+            return super().forward(x)
+        if isinstance(conv, LiftingRSTConv) and conv.pools_fused():
+            return norm(conv.forward_pooled(x, relu=pool.relu))
+        if isinstance(conv, GroupRSTConv) and conv.pools_fused(x):
             return norm(conv.forward_pooled(x, relu=pool.relu))
         return super().forward(x)

@@ -32,7 +32,7 @@ from .kernels import (
     _ScatterRows,
     joined_complex_product,
 )
-from .pooling import _check_even
+from .pooling import _check_even, _pool_quads
 from .triton_ops import complex_mix, pooled_mix, pooled_mix_fits, use_triton
 
 __all__ = ["LiftingRSTConv", "GroupRSTConv", "RSTPointwise"]
@@ -577,8 +577,34 @@ class GroupRSTConv(_BasisConv):
         rot = self.spec.rotations
         return 4 if self.rotation_taps == 1 and rot % 4 == 0 and h == w else 1
 
+    def pools_fused(self, x: Tensor) -> bool:
+        """Whether ``forward_pooled`` applies to ``x``: the call takes the FFT path, no
+        gradient is wanted (the fused pool keeps no argmax) and the maps have even sides."""
+        wanted = x.requires_grad or any(p.requires_grad for p in self.parameters())
+        h, w = x.shape[-2:]
+        return (
+            not (torch.is_grad_enabled() and wanted)
+            and h % 2 == 0
+            and w % 2 == 0
+            and self.resolve_method(x) is ConvMethod.FFT
+        )
+
+    def forward_pooled(self, x: Tensor, *, relu: bool) -> Tensor:
+        """``RSTMaxPool(relu)(forward(x))`` on the FFT path, without a gradient: each block
+        of scales is pooled in its own rows, where maps are turned back by quarter turns
+        (a 2x2 window of an even-sided map turns into a 2x2 window), so only the pooled
+        quarter of the map is scattered back to the feature layout.
+        x [B, Cin, R, S, H, W] -> [B, Cout, R, S, H/2, W/2]."""
+        _check_even(*x.shape[-2:])
+        return self.forward_fft(x, bias=self.bias, pool_relu=relu)
+
     def forward_fft(
-        self, x: Tensor, *, share_quarter_turns: bool = True, bias: Tensor | None = None
+        self,
+        x: Tensor,
+        *,
+        share_quarter_turns: bool = True,
+        bias: Tensor | None = None,
+        pool_relu: bool | None = None,
     ) -> Tensor:
         """Per-frequency channel mixing, cost independent of the kernel size. The 2D DFTs
         are matrix products (GEMMs beat FFTs at these sizes) on the spatial-major memory
@@ -588,7 +614,9 @@ class GroupRSTConv(_BasisConv):
         periodic grid its kernels allow. ``share_quarter_turns``: use ``quarter_turns`` where
         it applies (False: one filter spectrum per rotation, the plain path it must equal).
         ``bias`` [Cout], if given, enters the spectrum at frequency (0, 0) (``_GaussProduct``).
-        x [B, Cin, R, S, H, W] -> [B, Cout, R, S, H, W]."""
+        ``pool_relu`` True or False: each block's maps 2x2 max-pooled (then through a ReLU
+        if True) before they go back to the feature layout (``forward_pooled``).
+        x [B, Cin, R, S, H, W] -> [B, Cout, R, S, H, W] (H/2, W/2 pooled)."""
         b, cin, rot, nsc, h, w = x.shape
         quarters = self.quarter_turns(h, w) if share_quarter_turns else 1
         blocks = self.scale_blocks(h, w)
@@ -601,6 +629,10 @@ class GroupRSTConv(_BasisConv):
             self._fft_block(part, (h, w), block, quarters, bias)
             for part, block in zip(parts, blocks, strict=True)
         ]
+        if pool_relu is not None:  # pooled where the maps are turned back: see forward_pooled
+            ys = [_pool_rows(y, h, w, pool_relu) for y in ys]
+            h, w = h // 2, w // 2
+            rows = None if rows is None else _fft_rows(h, w, rot, quarters, bounds, x.device)
         # every map back to its rows (h, w, r, s), turned forward again
         y = ys[0] if rows is None else _ScatterRows.apply(rows, *ys)
         return y.view(h, w, rot, nsc, b, self.out_channels).permute(4, 5, 2, 3, 0, 1)
@@ -705,3 +737,13 @@ class RSTPointwise(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.conv(x.flatten(2, 3)).unflatten(2, x.shape[2:4])
+
+
+def _pool_rows(y: Tensor, h: int, w: int, relu: bool) -> Tensor:
+    """Rows ``(h, w, ...)`` of maps (``[H*W*..., C]``), each map 2x2 max-pooled and through
+    a ReLU if ``relu``: rows ``(h/2, w/2, ...)``."""
+    v = y.view(h // 2, 2, w // 2, 2, -1)
+    out = y.new_empty(h // 2, w // 2, v.shape[-1])
+    quads = (v[:, 0, :, 0], v[:, 0, :, 1], v[:, 1, :, 0], v[:, 1, :, 1])
+    _pool_quads(*quads, relu=relu, argmax=False, out=out)
+    return out.view(-1, y.shape[1])
