@@ -354,3 +354,34 @@ def test_the_dfts_take_the_small_gemm_in_bfloat16(monkeypatch):
             plain = conv.forward_fft(x).float()
     scale = exact.abs().max()
     assert (fast - exact).abs().max() <= 2 * (plain - exact).abs().max() + 1e-3 * scale
+
+
+@paired
+@pytest.mark.parametrize("relu", [True, False])
+@pytest.mark.parametrize("w,h,n", [(28, 4, 70), (6, 2, 33), (14, 6, 32)])
+def test_small_gemm_pool_is_the_product_pooled(relu, w, h, n):
+    """Widths that are and are not a multiple of four rows, panels whole and cut short: the
+    2x2 max pool (and ReLU) of the exact product, rounded once (rounding is monotone, so
+    this is also the pool of the rounded product)."""
+    k = 10
+    a, b = torch.randn(w, k).bfloat16(), torch.randn(h, k, n).bfloat16()
+    full = (a.double() @ b.double()).view(h // 2, 2, w // 2, 2, n).amax((1, 3))
+    want = full.clamp_min(0) if relu else full
+    with torch.no_grad():
+        got = native.small_gemm_pool(a, b, relu)
+    assert got.shape == (h // 2, w // 2, n) and got.dtype == torch.bfloat16
+    err = (got.double() - want).abs()
+    assert (err <= want.abs() * 2**-8 + 1e-5).all(), err.max()
+    assert not relu or (got >= 0).all()
+
+
+@paired
+def test_small_gemm_pool_refuses_what_it_cannot_take():
+    a, b = torch.randn(6, 4).bfloat16(), torch.randn(4, 4, 8).bfloat16()
+    assert not native.small_gemm_pool_available(a, b)  # gradients could be wanted
+    with torch.no_grad():
+        assert native.small_gemm_pool_available(a, b)
+        assert not native.small_gemm_pool_available(a[:5], b)  # odd W
+        assert not native.small_gemm_pool_available(a, b[:3])  # odd H
+        with pytest.raises(ValueError, match="even H, W"):
+            native.small_gemm_pool(a, b[:3], True)

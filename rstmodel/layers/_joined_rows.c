@@ -374,21 +374,13 @@ static inline __attribute__((always_inline)) void gblock(const int *a, const int
                              (__m512i)_mm512_cvtne2ps_pbh(acc[r][1], acc[r][0]));
 }
 
+static void pair_rows(const unsigned short *b, long n, long pairs, __mmask32 mask, int *buf);
+
 static void gpanel(const gjob_t *j, long bi, long n0, int *buf) {
   const long m = j->m, pairs = j->k / 2, n = j->n, width = n - n0 < 32 ? n - n0 : 32;
   const __mmask32 mask = width == 32 ? ~(__mmask32)0 : (((__mmask32)1 << width) - 1);
-  const unsigned short *b = j->b + bi * j->ldb_batch + n0;
   unsigned short *c = j->c + bi * j->ldc_batch + n0;
-  static const short lo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i idx_lo = _mm512_loadu_si512(lo);
-  const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
-  for (long p = 0; p < pairs; ++p) {
-    const __m512i r0 = _mm512_maskz_loadu_epi16(mask, b + 2 * p * n);
-    const __m512i r1 = _mm512_maskz_loadu_epi16(mask, b + (2 * p + 1) * n);
-    _mm512_store_si512(buf + p * 32, _mm512_permutex2var_epi16(r0, idx_lo, r1));
-    _mm512_store_si512(buf + p * 32 + 16, _mm512_permutex2var_epi16(r0, idx_hi, r1));
-  }
+  pair_rows(j->b + bi * j->ldb_batch + n0, n, pairs, mask, buf);
   long m0 = 0;
   for (; m0 + RB <= m; m0 += RB) gblock(j->a, buf, c, n, pairs, m0, mask, RB);
   switch (m - m0) {
@@ -413,6 +405,86 @@ int small_gemm_bf16(const int *a, const unsigned short *b, unsigned short *c, lo
     const long i = omp_get_thread_num(), t = omp_get_num_threads();
     for (long u = units * i / t; u < units * (i + 1) / t; ++u)
       gpanel(&job, u / panels, (u % panels) * 32, buf);
+  }
+  return 0;
+}
+#endif
+
+#ifdef __AVX512BF16__
+/* The inverse DFT's last GEMM with the 2x2 max pool (and ReLU) after it, in bfloat16
+ * (rstmodel.layers.native.small_gemm_pool): out[h/2, w/2, n] = pool over h in {2i, 2i+1}
+ * and w in {2j, 2j+1} of (A B[h])[w, n], A [W, K] (K even), B [H, K, N]. The two image rows
+ * of a window are computed side by side from their own paired rows (gpanel's buffers),
+ * four rows of A at a time (16 sums in registers), and only the pooled values are written:
+ * the full-resolution map never leaves the registers. */
+static inline __attribute__((always_inline)) void gpool(const int *a, const int *buf0,
+                                                        const int *buf1, unsigned short *o,
+                                                        long n, long pairs, long m0, long relu,
+                                                        __mmask32 mask, const long g) {
+  __m512 acc[2][4][2];
+  for (long q = 0; q < 2; ++q)
+    for (long r = 0; r < g; ++r) acc[q][r][0] = acc[q][r][1] = _mm512_setzero_ps();
+  const int *ar = a + m0 * pairs;
+  for (long p = 0; p < pairs; ++p) {
+    const __m512bh b00 = (__m512bh)_mm512_load_si512(buf0 + p * 32);
+    const __m512bh b01 = (__m512bh)_mm512_load_si512(buf0 + p * 32 + 16);
+    const __m512bh b10 = (__m512bh)_mm512_load_si512(buf1 + p * 32);
+    const __m512bh b11 = (__m512bh)_mm512_load_si512(buf1 + p * 32 + 16);
+#pragma GCC unroll 4
+    for (long r = 0; r < g; ++r) {
+      const __m512bh s = (__m512bh)_mm512_set1_epi32(ar[r * pairs + p]);
+      acc[0][r][0] = _mm512_dpbf16_ps(acc[0][r][0], s, b00);
+      acc[0][r][1] = _mm512_dpbf16_ps(acc[0][r][1], s, b01);
+      acc[1][r][0] = _mm512_dpbf16_ps(acc[1][r][0], s, b10);
+      acc[1][r][1] = _mm512_dpbf16_ps(acc[1][r][1], s, b11);
+    }
+  }
+  for (long r = 0; r < g; r += 2)
+    for (long t = 0; t < 2; ++t) {
+      __m512 mx = _mm512_max_ps(_mm512_max_ps(acc[0][r][t], acc[0][r + 1][t]),
+                                _mm512_max_ps(acc[1][r][t], acc[1][r + 1][t]));
+      acc[0][r][t] = relu ? _mm512_max_ps(mx, _mm512_setzero_ps()) : mx;
+    }
+  for (long r = 0; r < g; r += 2)
+    _mm512_mask_storeu_epi16(o + (m0 + r) / 2 * n, mask,
+                             (__m512i)_mm512_cvtne2ps_pbh(acc[0][r][1], acc[0][r][0]));
+}
+
+/* rows 2p and 2p + 1 of a panel of 32 columns of B (row stride n) interleaved into pairs:
+ * buf[p][0:16] for columns 0-15, buf[p][16:32] for 16-31; masked past the panel's width */
+static void pair_rows(const unsigned short *b, long n, long pairs, __mmask32 mask, int *buf) {
+  static const short lo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i idx_lo = _mm512_loadu_si512(lo);
+  const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
+  for (long p = 0; p < pairs; ++p) {
+    const __m512i r0 = _mm512_maskz_loadu_epi16(mask, b + 2 * p * n);
+    const __m512i r1 = _mm512_maskz_loadu_epi16(mask, b + (2 * p + 1) * n);
+    _mm512_store_si512(buf + p * 32, _mm512_permutex2var_epi16(r0, idx_lo, r1));
+    _mm512_store_si512(buf + p * 32 + 16, _mm512_permutex2var_epi16(r0, idx_hi, r1));
+  }
+}
+
+int small_gemm_pool_bf16(const int *a, const unsigned short *b, unsigned short *out, long h,
+                         long w, long k, long n, long relu, long threads) {
+  if (h < 2 || h % 2 || w < 2 || w % 2 || k < 2 || k % 2 || k > KMAX || n < 1 || threads < 1)
+    return 1;
+  const long pairs = k / 2, panels = (n + 31) / 32, units = (h / 2) * panels;
+#pragma omp parallel num_threads(threads)
+  {
+    int buf0[KMAX / 2 * 32] __attribute__((aligned(64)));
+    int buf1[KMAX / 2 * 32] __attribute__((aligned(64)));
+    const long i = omp_get_thread_num(), t = omp_get_num_threads();
+    for (long u = units * i / t; u < units * (i + 1) / t; ++u) {
+      const long hh = u / panels, n0 = (u % panels) * 32, width = n - n0 < 32 ? n - n0 : 32;
+      const __mmask32 mask = width == 32 ? ~(__mmask32)0 : (((__mmask32)1 << width) - 1);
+      pair_rows(b + 2 * hh * k * n + n0, n, pairs, mask, buf0);
+      pair_rows(b + (2 * hh + 1) * k * n + n0, n, pairs, mask, buf1);
+      unsigned short *o = out + hh * (w / 2) * n + n0;
+      long m0 = 0;
+      for (; m0 + 4 <= w; m0 += 4) gpool(a, buf0, buf1, o, n, pairs, m0, relu, mask, 4);
+      if (m0 < w) gpool(a, buf0, buf1, o, n, pairs, m0, relu, mask, 2);
+    }
   }
   return 0;
 }

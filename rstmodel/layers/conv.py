@@ -30,9 +30,10 @@ from .kernels import (
     _PooledMix,
     _RealDFT2,
     _ScatterRows,
+    inverse_real_dft2_pooled,
     joined_complex_product,
 )
-from .pooling import _check_even, _pool_quads
+from .pooling import _check_even
 from .triton_ops import complex_mix, pooled_mix, pooled_mix_fits, use_triton
 
 __all__ = ["LiftingRSTConv", "GroupRSTConv", "RSTPointwise"]
@@ -626,11 +627,10 @@ class GroupRSTConv(_BasisConv):
         rows = _fft_rows(h, w, rot, quarters, bounds, x.device)
         parts = (xs,) if rows is None else _GatherRows.apply(xs, *rows)
         ys = [
-            self._fft_block(part, (h, w), block, quarters, bias)
+            self._fft_block(part, (h, w), block, quarters, bias, pool_relu)
             for part, block in zip(parts, blocks, strict=True)
         ]
         if pool_relu is not None:  # pooled where the maps are turned back: see forward_pooled
-            ys = [_pool_rows(y, h, w, pool_relu) for y in ys]
             h, w = h // 2, w // 2
             rows = None if rows is None else _fft_rows(h, w, rot, quarters, bounds, x.device)
         # every map back to its rows (h, w, r, s), turned forward again
@@ -644,9 +644,10 @@ class GroupRSTConv(_BasisConv):
         block: tuple[int, int, int, int],
         quarters: int,
         bias: Tensor | None,
+        pool_relu: bool | None = None,
     ) -> Tensor:
         """``forward_fft`` for the scales of one block: maps ``[rows (h, w, p, s, q),
-        B*Cin] -> [the same rows, B*Cout]``."""
+        B*Cin] -> [the same rows, B*Cout]`` (``pool_relu``: rows (h/2, w/2, p, s, q))."""
         (h, w), (first, end, nh, nw) = size, block
         fw, nsc, cin = nw // 2 + 1, end - first, self.in_channels
         filt_rot, bq = self.spec.rotations // quarters, xs.shape[1] // cin * quarters
@@ -686,6 +687,8 @@ class GroupRSTConv(_BasisConv):
         else:  # three real products
             g = self._cached("fft" + name, lambda: self.spectra(nh, nw, filt_rot, scales))
             y = _GaussProduct.apply(x_re, x_im, *g, *dc)
+        if pool_relu is not None:  # no gradient: see forward_pooled
+            return inverse_real_dft2_pooled(y, shape, pool_relu).view(xs.shape[0] // 4, -1)
         return _InverseRealDFT2.apply(y, shape).view(xs.shape[0], -1)  # [H, W, R'*S'*B'*Cout]
 
     def scale_blocks(self, h: int, w: int) -> list[tuple[int, int, int, int]]:
@@ -737,13 +740,3 @@ class RSTPointwise(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.conv(x.flatten(2, 3)).unflatten(2, x.shape[2:4])
-
-
-def _pool_rows(y: Tensor, h: int, w: int, relu: bool) -> Tensor:
-    """Rows ``(h, w, ...)`` of maps (``[H*W*..., C]``), each map 2x2 max-pooled and through
-    a ReLU if ``relu``: rows ``(h/2, w/2, ...)``."""
-    v = y.view(h // 2, 2, w // 2, 2, -1)
-    out = y.new_empty(h // 2, w // 2, v.shape[-1])
-    quads = (v[:, 0, :, 0], v[:, 0, :, 1], v[:, 1, :, 0], v[:, 1, :, 1])
-    _pool_quads(*quads, relu=relu, argmax=False, out=out)
-    return out.view(-1, y.shape[1])

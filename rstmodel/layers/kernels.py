@@ -345,6 +345,28 @@ class _InverseRealDFT2(torch.autograd.Function):
         return (dft.inv_h.mT @ gz).view(ctx.in_shape), None
 
 
+def inverse_real_dft2_pooled(y: Tensor, shape: tuple[int, int, int, int], relu: bool) -> Tensor:
+    """``_InverseRealDFT2``'s maps ``[H, W, M]`` 2x2 max-pooled (and through a ReLU if
+    ``relu``), without a gradient: ``[H/2, W/2, M]``. In bfloat16 on the CPU the last GEMM
+    and the pool are one compiled pass (``native.small_gemm_pool``: the full-resolution
+    maps never written), elsewhere the inverse and then ``_pool_quads``."""
+    h, w, nh, nw = shape
+    fw = nw // 2 + 1
+    dtype = _compute_dtype(y)
+    dft = _dft_matrices(h, w, nh, nw, dtype, y.device)
+    y = y.to(dtype).reshape(2 * nh, -1)
+    m = y.shape[1] // fw
+    with torch.autocast(y.device.type, enabled=False):
+        z = _dft_product(dft.inv_h, y).view(h, 2 * fw, m)
+        if native.small_gemm_pool_available(dft.inv_w, z):
+            return native.small_gemm_pool(dft.inv_w, z, relu)
+        v = _dft_product(dft.inv_w, z).view(h // 2, 2, w // 2, 2, m)
+    out = v.new_empty(h // 2, w // 2, m)
+    quads = (v[:, 0, :, 0], v[:, 0, :, 1], v[:, 1, :, 0], v[:, 1, :, 1])
+    _pool_quads(*quads, relu=relu, argmax=False, out=out)
+    return out
+
+
 class _GatherRows(torch.autograd.Function):
     """Blocks of rows of a 2D tensor, ``x[index]`` for each index of ``indices``, where the
     indices together name every row once: the gradient writes each block's rows back (no

@@ -80,6 +80,8 @@ __all__ = [
     "pooled_mix",
     "small_gemm_available",
     "small_gemm",
+    "small_gemm_pool_available",
+    "small_gemm_pool",
     "TILE",
 ]
 
@@ -159,6 +161,8 @@ def _library() -> ctypes.CDLL | None:
         lib.pooled_mix_bf16.restype = ctypes.c_int
         lib.small_gemm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5
         lib.small_gemm_bf16.restype = ctypes.c_int
+        lib.small_gemm_pool_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 6
+        lib.small_gemm_pool_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -362,3 +366,37 @@ def small_gemm(a: Tensor, b: Tensor) -> Tensor:
     ):
         raise ValueError(f"no product for {tuple(a.shape)} @ {tuple(b.shape)}")
     return c
+
+
+def small_gemm_pool_available(a: Tensor, b: Tensor) -> bool:
+    """Whether ``small_gemm_pool`` serves ``a`` ``[W, K]`` and ``b`` ``[H, K, N]``: as
+    ``small_gemm``, with even H and W and no gradient wanted."""
+    return (
+        b.dim() == 3
+        and small_gemm_available(a, b)
+        and b.shape[0] % 2 == 0
+        and a.shape[0] % 2 == 0
+        and not torch.is_grad_enabled()
+    )
+
+
+def small_gemm_pool(a: Tensor, b: Tensor, relu: bool) -> Tensor:
+    """``a @ b`` (``[H, W, N]``, a small ``a`` ``[W, K]``, ``b`` ``[H, K, N]``) 2x2
+    max-pooled over (H, W), through a ReLU if ``relu``: ``[H/2, W/2, N]`` bfloat16, the
+    full-resolution product never written (the inverse DFT's last GEMM and the pool after
+    it)."""
+    if not small_gemm_pool_available(a, b):
+        raise ValueError(
+            f"bfloat16 [W, K] @ [H, K, N] with even H, W and K <= {SMALL_GEMM_MAX_K}, no "
+            f"gradient, only: not {a.dtype} {tuple(a.shape)} @ {b.dtype} {tuple(b.shape)}"
+        )
+    (w, k), (h, _, n) = a.shape, b.shape
+    a, b = a.contiguous(), b.contiguous()
+    out = b.new_empty(h // 2, w // 2, n)
+    threads = max(1, torch.get_num_threads())
+    lib = _library()
+    if lib.small_gemm_pool_bf16(
+        a.data_ptr(), b.data_ptr(), out.data_ptr(), h, w, k, n, int(relu), threads
+    ):
+        raise ValueError(f"no pooled product for {tuple(a.shape)} @ {tuple(b.shape)}")
+    return out
