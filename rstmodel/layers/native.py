@@ -33,6 +33,9 @@ each pooled value once. ``small_gemm``: the DFTs' GEMMs in bfloat16, a DFT matri
 dozen rows and columns kept in L1 times maps with millions of columns, B's rows paired for
 the dot-product instruction by a word permute per panel of 32 columns (1.2-3.3x the library
 GEMM at the FFT path's shapes; it serves the DFTs' forward passes, in training too).
+``small_gemm_pool``: the inverse DFT's last GEMM with the 2x2 max pool (and ReLU) that
+follows the group convolution, the two image rows of each window computed side by side and
+only the pooled values written (``GroupRSTConv.forward_pooled``, eval).
 
 All the kernels split their work between OpenMP threads. Built with ``-fopenmp`` the
 library needs ``libgomp.so.1``, which the loader finds already loaded beside torch (its
