@@ -1094,3 +1094,18 @@ def test_group_conv_pools_fused_only_without_gradient_on_the_fft_path():
     with torch.no_grad():
         assert block[0].pools_fused(h)
         torch.testing.assert_close(block(h), nn.Sequential.forward(block, h), rtol=0, atol=0)
+
+
+def test_a_hooked_conv_runs_unfused_so_its_hooks_see_it():
+    """Forward hooks on a block's conv see its call and its full-resolution output; without
+    hooks the block takes the fused pool, with the same values."""
+    block = rstmodel.create_model("rst_cnn_fb", channels=(16, 6, 8)).eval().blocks[1]
+    h = torch.randn(1, 16, 8, 4, 28, 28)
+    seen = []
+    with torch.no_grad():
+        fused = block(h)
+        handle = block[0].register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+        hooked = block(h)
+        handle.remove()
+    assert seen == [torch.Size([1, 6, 8, 4, 28, 28])]
+    torch.testing.assert_close(hooked, fused, rtol=0, atol=0)
