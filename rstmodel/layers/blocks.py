@@ -28,9 +28,7 @@ class ConvPoolNorm(nn.Sequential):
         conv, pool, norm = self
         if isinstance(x, fx.Proxy) or _hooked(conv):  # a hooked conv runs as itself
             return super().forward(x)
-        if isinstance(conv, LiftingRSTConv) and conv.pools_fused():
-            return norm(conv.forward_pooled(x, relu=pool.relu))
-        if isinstance(conv, GroupRSTConv) and conv.pools_fused(x):
+        if isinstance(conv, (LiftingRSTConv, GroupRSTConv)) and conv.pools_fused(x):
             return norm(conv.forward_pooled(x, relu=pool.relu))
         return super().forward(x)
 

@@ -282,9 +282,10 @@ class LiftingRSTConv(_BasisConv):
             _copy_runs(out[:, :, :, s], y.permute(1, 2, 4, 0, 3, 5))  # [H, W, R, B, Cin, K]
         return out.view(h, wd, rot, nsc, b, c * nk)
 
-    def pools_fused(self) -> bool:
+    def pools_fused(self, x: Tensor | None = None) -> bool:
         """Whether ``forward_pooled`` applies: the call would take the basis path (AUTO or
-        BASIS; TUNED in eval mode times the unfused paths instead)."""
+        BASIS; TUNED in eval mode times the unfused paths instead). ``x``: unused (the
+        choice does not depend on it), as ``GroupRSTConv.pools_fused`` takes it."""
         return self.resolve_method() is ConvMethod.BASIS
 
     def forward_pooled(self, x: Tensor, *, relu: bool) -> Tensor:

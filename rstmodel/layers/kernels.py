@@ -275,6 +275,19 @@ def _dft_product(a: Tensor, b: Tensor) -> Tensor:
     return a @ b if b.dim() == 2 else torch.bmm(a.expand(b.shape[0], *a.shape), b)
 
 
+def _inverse_along_h(y: Tensor, shape: tuple[int, int, int, int]) -> tuple[_DFTMatrices, Tensor]:
+    """The inverse DFT's first GEMM, along H, in the dtype it computes in: the spectrum
+    ``[Re Y; Im Y]`` (``[2, nh, Fw*M]``) -> the DFT matrices and z ``[H, 2Fw, M]``, rows
+    (h, re/im), z = sum_n y e^{+i 2 pi n h / nh}."""
+    h, w, nh, nw = shape
+    fw = nw // 2 + 1
+    dtype = _compute_dtype(y)
+    dft = _dft_matrices(h, w, nh, nw, dtype, y.device)
+    y = y.to(dtype).reshape(2 * nh, -1)
+    with torch.autocast(y.device.type, enabled=False):
+        return dft, _dft_product(dft.inv_h, y).view(h, 2 * fw, y.shape[1] // fw)
+
+
 class _RealDFT2(torch.autograd.Function):
     """The 2D DFT of real maps zero-padded to an nh x nw periodic grid, half spectrum along W:
     spatial-major ``x [H, W*M] -> (Re X, Im X)``, each ``[nh, Fw, M]``, Fw = nw//2 + 1, in
@@ -322,16 +335,9 @@ class _InverseRealDFT2(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y: Tensor, shape: tuple[int, int, int, int]):
-        h, w, nh, nw = ctx.shape = shape
-        fw = nw // 2 + 1
-        dtype = _compute_dtype(y)
-        dft = _dft_matrices(h, w, nh, nw, dtype, y.device)
-        ctx.in_shape = y.shape
-        y = y.to(dtype).reshape(2 * nh, -1)
-        m = y.shape[1] // fw
-        with torch.autocast(y.device.type, enabled=False):
-            # along H: z = sum_n y e^{+i 2 pi n h / nh}, rows (h, re/im): [H, 2Fw, M]
-            z = _dft_product(dft.inv_h, y).view(h, 2 * fw, m)
+        ctx.shape, ctx.in_shape = shape, y.shape
+        dft, z = _inverse_along_h(y, shape)
+        with torch.autocast(z.device.type, enabled=False):
             # along W, Hermitian weights folded into the matrix: [H, W, M]
             return _dft_product(dft.inv_w, z)
 
@@ -350,18 +356,13 @@ def inverse_real_dft2_pooled(y: Tensor, shape: tuple[int, int, int, int], relu: 
     ``relu``), without a gradient: ``[H/2, W/2, M]``. In bfloat16 on the CPU the last GEMM
     and the pool are one compiled pass (``native.small_gemm_pool``: the full-resolution
     maps never written), elsewhere the inverse and then ``_pool_quads``."""
-    h, w, nh, nw = shape
-    fw = nw // 2 + 1
-    dtype = _compute_dtype(y)
-    dft = _dft_matrices(h, w, nh, nw, dtype, y.device)
-    y = y.to(dtype).reshape(2 * nh, -1)
-    m = y.shape[1] // fw
-    with torch.autocast(y.device.type, enabled=False):
-        z = _dft_product(dft.inv_h, y).view(h, 2 * fw, m)
+    h, w = shape[:2]
+    dft, z = _inverse_along_h(y, shape)
+    with torch.autocast(z.device.type, enabled=False):
         if native.small_gemm_pool_available(dft.inv_w, z):
             return native.small_gemm_pool(dft.inv_w, z, relu)
-        v = _dft_product(dft.inv_w, z).view(h // 2, 2, w // 2, 2, m)
-    out = v.new_empty(h // 2, w // 2, m)
+        v = _dft_product(dft.inv_w, z).view(h // 2, 2, w // 2, 2, z.shape[-1])
+    out = v.new_empty(h // 2, w // 2, v.shape[-1])
     quads = (v[:, 0, :, 0], v[:, 0, :, 1], v[:, 1, :, 0], v[:, 1, :, 1])
     _pool_quads(*quads, relu=relu, argmax=False, out=out)
     return out
