@@ -11,7 +11,11 @@
  *   Re y = Re x Re G - Im x Im G,   Im y = Re x Im G + Im x Re G
  * x [F, 2M, K]; y [2, F, M, N]. Threads split the frequencies: OpenMP threads, which are
  * torch's own where the library is loaded beside torch's libgomp (one runtime, one pool of
- * threads: no second set of threads contending with torch's waiting ones for the cores). */
+ * threads: no second set of threads contending with torch's waiting ones for the cores).
+ * Every kernel here hands its work out in chunks as threads come free (CHUNKS per thread,
+ * OpenMP's dynamic schedule), not in one equal share each: in a server the cores also run
+ * the HTTP threads, and a thread the OS preempts then holds up its chunk, not half the
+ * kernel while the other waits at the end. */
 #include <immintrin.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -21,6 +25,13 @@
 #endif
 
 #define GROUP 4 /* rows of Re x (and of Im x) summed in registers at a time */
+#define CHUNKS 16 /* chunks of work per thread (the dynamic schedule's) */
+
+/* units of work per chunk: CHUNKS per thread, at least one */
+static inline long chunk_size(long units, long threads) {
+  const long c = units / (threads * CHUNKS);
+  return c > 0 ? c : 1;
+}
 #define LANES 16
 typedef float v16 __attribute__((vector_size(4 * LANES)));
 typedef float v16u __attribute__((vector_size(4 * LANES), aligned(4)));
@@ -79,10 +90,10 @@ static void *run(void *arg) {
 int joined_rows_product(const float *x, const float *g, float *y, long f, long m, long k,
                         long n, long threads) {
   if (m < 1 || threads < 1) return 1;
-#pragma omp parallel num_threads(threads)
-  {
-    const long i = omp_get_thread_num(), t = omp_get_num_threads();
-    job_t job = {x, g, y, f * i / t, f * (i + 1) / t, f, m, k, n};
+  const long chunk = chunk_size(f, threads);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (long c = 0; c < (f + chunk - 1) / chunk; ++c) {
+    job_t job = {x, g, y, c * chunk, c * chunk + chunk < f ? c * chunk + chunk : f, f, m, k, n};
     run(&job);
   }
   return 0;
@@ -133,11 +144,9 @@ static inline __attribute__((always_inline)) void btile(const int *pairs, const 
   }
 }
 
-static void *brun(void *arg) {
-  const bjob_t *j = arg;
+/* the frequencies [f0, f1) of the job; pairs: room for 2 M K ints */
+static void brun(const bjob_t *j, int *pairs) {
   const long m = j->m, k = j->k, n = j->n, tiles = (n + LANES - 1) / LANES;
-  int *pairs = malloc(sizeof(int) * 2 * m * k);
-  if (!pairs) return (void *)1;
   for (long f = j->f0; f < j->f1; ++f) {
     /* this frequency's rows as broadcastable pairs, input column major */
     const unsigned short *xr = j->x_re + f * m * k, *xi = j->x_im + f * m * k;
@@ -163,19 +172,24 @@ static void *brun(void *arg) {
       }
     }
   }
-  free(pairs);
-  return NULL;
 }
 
 int paired_rows_product(const unsigned short *x_re, const unsigned short *x_im, const int *g,
                         unsigned short *y, long f, long m, long k, long n, long threads) {
   if (m < 1 || threads < 1) return 1;
   int failed = 0;
+  const long chunk = chunk_size(f, threads);
 #pragma omp parallel num_threads(threads) reduction(| : failed)
   {
-    const long i = omp_get_thread_num(), t = omp_get_num_threads();
-    bjob_t job = {x_re, x_im, g, y, f * i / t, f * (i + 1) / t, f, m, k, n};
-    failed |= brun(&job) != NULL;
+    int *pairs = malloc(sizeof(int) * 2 * m * k);
+    failed |= pairs == NULL;
+#pragma omp for schedule(dynamic, 1)
+    for (long c = 0; c < (f + chunk - 1) / chunk; ++c) {
+      bjob_t job = {x_re, x_im, g, y, c * chunk, c * chunk + chunk < f ? c * chunk + chunk : f,
+                    f, m, k, n};
+      if (pairs) brun(&job, pairs);
+    }
+    free(pairs);
   }
   return failed ? 2 : 0;
 }
@@ -258,11 +272,10 @@ int pooled_mix_f32(const float *resp, const float *wt, const float *bias, float 
   if (h < 2 || w < 2 || m < 1 || kk < 1 || cout < 1 || threads < 1) return 1;
   const mjob_t job = {resp, wt, bias, out, h, w, m, kk, cout, relu};
   const long units = (h / 2) * (w / 2) * m;
-#pragma omp parallel num_threads(threads)
-  {
-    const long i = omp_get_thread_num(), t = omp_get_num_threads();
-    mix_f32_rows(&job, units * i / t, units * (i + 1) / t);
-  }
+  const long chunk = chunk_size(units, threads);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (long c = 0; c < (units + chunk - 1) / chunk; ++c)
+    mix_f32_rows(&job, c * chunk, c * chunk + chunk < units ? c * chunk + chunk : units);
   return 0;
 }
 
@@ -324,11 +337,10 @@ int pooled_mix_bf16(const int *resp, const int *wt, const float *bias, unsigned 
   if (h < 2 || w < 2 || m < 1 || kk < 2 || kk % 2 || cout < 1 || threads < 1) return 1;
   const mjob_t job = {resp, wt, bias, out, h, w, m, kk, cout, relu};
   const long units = (h / 2) * (w / 2) * m;
-#pragma omp parallel num_threads(threads)
-  {
-    const long i = omp_get_thread_num(), t = omp_get_num_threads();
-    mix_bf16_rows(&job, units * i / t, units * (i + 1) / t);
-  }
+  const long chunk = chunk_size(units, threads);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (long c = 0; c < (units + chunk - 1) / chunk; ++c)
+    mix_bf16_rows(&job, c * chunk, c * chunk + chunk < units ? c * chunk + chunk : units);
   return 0;
 }
 #endif
@@ -399,12 +411,12 @@ int small_gemm_bf16(const int *a, const unsigned short *b, unsigned short *c, lo
   if (batch < 1 || m < 1 || k < 2 || k % 2 || k > KMAX || n < 1 || threads < 1) return 1;
   const gjob_t job = {a, b, c, batch, k * n, m * n, m, k, n};
   const long panels = (n + 31) / 32, units = batch * panels;
+  const long chunk = chunk_size(units, threads);
 #pragma omp parallel num_threads(threads)
   {
     int buf[KMAX / 2 * 32] __attribute__((aligned(64)));
-    const long i = omp_get_thread_num(), t = omp_get_num_threads();
-    for (long u = units * i / t; u < units * (i + 1) / t; ++u)
-      gpanel(&job, u / panels, (u % panels) * 32, buf);
+#pragma omp for schedule(dynamic, chunk)
+    for (long u = 0; u < units; ++u) gpanel(&job, u / panels, (u % panels) * 32, buf);
   }
   return 0;
 }
@@ -470,12 +482,13 @@ int small_gemm_pool_bf16(const int *a, const unsigned short *b, unsigned short *
   if (h < 2 || h % 2 || w < 2 || w % 2 || k < 2 || k % 2 || k > KMAX || n < 1 || threads < 1)
     return 1;
   const long pairs = k / 2, panels = (n + 31) / 32, units = (h / 2) * panels;
+  const long chunk = chunk_size(units, threads);
 #pragma omp parallel num_threads(threads)
   {
     int buf0[KMAX / 2 * 32] __attribute__((aligned(64)));
     int buf1[KMAX / 2 * 32] __attribute__((aligned(64)));
-    const long i = omp_get_thread_num(), t = omp_get_num_threads();
-    for (long u = units * i / t; u < units * (i + 1) / t; ++u) {
+#pragma omp for schedule(dynamic, chunk)
+    for (long u = 0; u < units; ++u) {
       const long hh = u / panels, n0 = (u % panels) * 32, width = n - n0 < 32 ? n - n0 : 32;
       const __mmask32 mask = width == 32 ? ~(__mmask32)0 : (((__mmask32)1 << width) - 1);
       pair_rows(b + 2 * hh * k * n + n0, n, pairs, mask, buf0);
