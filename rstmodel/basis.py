@@ -59,6 +59,7 @@ __all__ = [
     "hg_modes",
     "max_modes",
     "sample_basis",
+    "steering",
     "reference_spec",
     "pixel_grid",
 ]
@@ -384,3 +385,45 @@ def sample_basis(spec: BasisSpec) -> np.ndarray:
     Scale s occupies the centred ``kernel_sizes[s]`` window; the rest is zero.
     """
     return _cached(spec)
+
+
+# A rotated copy counts as steered from the upright one when it is reproduced to this
+# fraction of the basis' largest sample (float64 round-off is ~1e-16 of it).
+STEERING_TOLERANCE = 1e-10
+
+
+@lru_cache(maxsize=32)
+def _steering(spec: BasisSpec) -> np.ndarray | None:
+    basis = sample_basis(spec)
+    k, rot = basis.shape[:2]
+    upright = basis[:, 0].reshape(k, -1)  # [K, S*k*k]: every scale, one matrix per rotation
+    scale = np.abs(basis).max()
+    mats = np.empty((rot, k, k))
+    for r in range(rot):
+        turned = basis[:, r].reshape(k, -1)
+        # M_r with basis[:, r] = M_r basis[:, 0]: the least-squares fit over all scales'
+        # samples, kept only where it is exact to round-off
+        fit = np.linalg.lstsq(upright.T, turned.T, rcond=None)[0].T
+        if np.abs(fit @ upright - turned).max() > STEERING_TOLERANCE * scale:
+            return None
+        mats[r] = fit
+    mats.setflags(write=False)
+    return mats
+
+
+def steering(spec: BasisSpec) -> np.ndarray | None:
+    """``M [Nr, K, K]`` (float64, read-only) with ``basis[:, r, s] = M[r] @ basis[:, 0, s]``
+    for every rotation r and scale s, where the sampled basis is *steerable*, else None.
+
+    The FB modes are ``J_k(j r) cos k phi`` and ``J_k(j r) sin k phi`` sampled at rotated
+    points, and ``cos k (phi - theta) = cos k theta cos k phi + sin k theta sin k phi``
+    holds at every sample, so where the K modes hold both parts of each angular order k the
+    copy at any rotation is, sample for sample, a 2x2 rotation of each (cos, sin) pair of the
+    upright copy: ``M[r]`` is block-diagonal with blocks of angle ``k theta_r``. The
+    lifting layer then needs the responses to the K upright copies only, not to all Nr K
+    (``LiftingRSTConv``): its mixing weights absorb ``M[r]``. Computed from the samples (a
+    least-squares fit, accepted only where it reproduces every rotation's samples to
+    ``STEERING_TOLERANCE``), so it also finds the other families that are steerable (HG's
+    complete degree shells) and refuses those that are not (SL's square domain, a mode
+    whose partner was cut off by K)."""
+    return _steering(spec)

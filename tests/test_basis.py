@@ -18,6 +18,7 @@ from rstmodel.basis import (
     reference_spec,
     sample_basis,
     sl_modes,
+    steering,
 )
 
 FB = BasisFamily.FOURIER_BESSEL
@@ -243,6 +244,39 @@ def test_quarter_turn_is_an_exact_permutation(spec):
     for r in range(nr):
         turned = np.rot90(basis[:, r], 1, axes=(-2, -1))
         assert np.array_equal(basis[:, (r + nr // 4) % nr], turned), r
+
+
+@pytest.mark.parametrize("num_funcs", [1, 3, 6, 12])
+def test_fb_rotations_are_rotations_of_the_upright_modes(num_funcs):
+    """Where the K modes hold both parts of each angular order, every rotated copy is, at
+    every scale and sample, M_r times the upright copies: M_0 the identity, each M_r
+    orthogonal with 2x2 blocks (cos, sin) of angle k theta_r, a quarter turn a signed
+    permutation."""
+    spec = BasisSpec(FB, num_funcs, 8, RADII)
+    basis, mats = sample_basis(spec), steering(spec)
+    assert mats is not None and mats.shape == (8, num_funcs, num_funcs)
+    for r in range(8):
+        steered = np.einsum("kj,jsxy->ksxy", mats[r], basis[:, 0])
+        np.testing.assert_allclose(steered, basis[:, r], rtol=0, atol=1e-12)
+        np.testing.assert_allclose(mats[r] @ mats[r].T, np.eye(num_funcs), atol=1e-9)
+        assert ((np.abs(mats[r]) > 1e-9).sum(axis=1) <= 2).all()
+    np.testing.assert_allclose(mats[0], np.eye(num_funcs), atol=1e-12)
+    quarter = mats[2]
+    assert np.allclose(np.abs(quarter[np.abs(quarter) > 1e-9]), 1)
+    order1 = [i for i, m in enumerate(spec.modes()) if m.a == 1][:2]  # cos phi, sin phi
+    if len(order1) == 2:  # an eighth turn turns the pair by 45 degrees
+        c = math.cos(math.pi / 4)
+        np.testing.assert_allclose(mats[1][np.ix_(order1, order1)], [[c, c], [-c, c]], atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [BasisSpec(FB, 2, 8, RADII), BasisSpec(FB, 4, 8, RADII), BasisSpec(SL, 6, 8, RADII)],
+    ids=["fb-cos-without-sin", "fb-k4", "sl"],
+)
+def test_steering_is_refused_where_the_rotated_copies_leave_the_span(spec):
+    """A cos mode whose sin partner K cuts off, or the SL square's modes: no M_r holds."""
+    assert steering(spec) is None
 
 
 def test_quarter_turn_is_counter_clockwise():

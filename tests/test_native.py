@@ -256,6 +256,60 @@ def test_pooled_mix_in_bfloat16_rounds_once(cout):
     assert (err > 1e-4).any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=paired)])
+def test_pooled_mix_with_weight_sets_mixes_the_shared_responses_by_each(dtype):
+    """``a`` [R, Cout, KK]: output map r M + m is response map m mixed by ``a[r]`` (the
+    steered lifting layer), each set the single-set kernel's values."""
+    h, w, m, kk, cout, sets = 4, 6, 3, 12, 37, 4
+    resp = torch.randn(h, w * m, kk).to(dtype)
+    a, bias = torch.randn(sets, cout, kk), torch.randn(cout)
+    got = native.pooled_mix(resp, a, bias, True, w)
+    assert got.shape == (h // 2, w // 2, sets * m, cout) and got.dtype == dtype
+    each = [native.pooled_mix(resp, a[r], bias, True, w) for r in range(sets)]
+    assert torch.equal(got, torch.cat(each, dim=2))
+    with pytest.raises(ValueError, match="do not fit 6 columns and 12 inputs"):
+        native.pooled_mix(resp, torch.randn(sets, cout, 11), bias, True, w)
+
+
+def test_the_lifting_layer_steers_the_upright_responses_where_the_basis_allows(monkeypatch):
+    """A steerable basis (FB): eval without a gradient convolves the upright copies only
+    and gives the plain path's pooled maps to round-off, quarter turns included; a basis
+    that does not steer (SL) convolves every rotation, as does a call that wants a
+    gradient."""
+    from rstmodel.layers import LiftingRSTConv
+    from rstmodel.layers import conv as convmod
+
+    seen = []
+    real = convmod.LiftingRSTConv._responses
+
+    def responses(self, x, rotations=None):
+        seen.append(rotations)
+        return real(self, x, rotations)
+
+    monkeypatch.setattr(convmod.LiftingRSTConv, "_responses", responses)
+    torch.manual_seed(0)
+    x = torch.randn(2, 2, 16, 16)
+    sl = BasisSpec(BasisFamily.STURM_LIOUVILLE, 6, 8, (2.5, 3.5))
+    for spec, steers in ((SPEC, True), (sl, False)):
+        conv = LiftingRSTConv(2, 20, spec).eval()
+        seen.clear()
+        with torch.no_grad():
+            fast = conv.forward_pooled(x, relu=True)
+            turned = conv.forward_pooled(torch.rot90(x, 1, (-2, -1)), relu=True)
+            with monkeypatch.context() as patch:
+                patch.setattr(convmod, "steering", lambda spec: None)
+                conv._cache.clear()
+                plain = conv.forward_pooled(x, relu=True)
+        assert seen[0] == (1 if steers else None) and seen[-1] is None
+        torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+        want = torch.roll(torch.rot90(fast, 1, (-2, -1)), 2, dims=2)  # R = 8: two indices
+        torch.testing.assert_close(turned, want, rtol=1e-5, atol=1e-5)
+    conv = LiftingRSTConv(2, 20, SPEC).eval()
+    with torch.no_grad():
+        assert conv._steered_weights() is not None
+    assert conv._steered_weights() is None  # a gradient wanted: the torch path
+
+
 def test_pooled_mix_says_what_it_cannot_take():
     resp = torch.randn(4, 6 * 2, 12)
     with pytest.raises(ValueError, match="do not fit 5 columns"):

@@ -203,14 +203,18 @@ int paired_rows_product(const unsigned short *x_re, const unsigned short *x_im, 
  * only thing written: out[((i w/2 + j) M + m) COUT + c]. The weights are packed in tiles
  * of 16 channels, wt[t][k][16] (float32) or wt[t][k/2][16] pairs (bfloat16), zero past
  * COUT; the bias is float32, zero-padded to whole tiles. Up to TGROUP tiles at a time
- * (4 x TGROUP sums in registers). */
+ * (4 x TGROUP sums in registers).
+ * SETS > 1 (a steerable basis: rstmodel.basis.steering): the responses hold M / SETS
+ * branches per pixel, and branch m of the output is branch m % (M / SETS) of the
+ * responses mixed by weight set m / (M / SETS) (one per rotation), each set packed as
+ * above, one after the other. */
 #define TGROUP 5
 
 typedef struct {
   const void *resp, *wt;
   const float *bias;
   void *out;
-  long h, w, m, kk, cout, relu;
+  long h, w, m, kk, cout, sets, relu;
 } mjob_t;
 
 static inline __attribute__((always_inline)) v16 pool4(v16 a, v16 b, v16 c, v16 d, v16 bias,
@@ -245,32 +249,34 @@ static inline __attribute__((always_inline)) void mix_f32(const float *const p[4
 }
 
 static void mix_f32_rows(const mjob_t *j, long u0, long u1) {
-  const long m = j->m, kk = j->kk, cout = j->cout, half = j->w / 2;
+  const long m = j->m, mr = m / j->sets, kk = j->kk, cout = j->cout, half = j->w / 2;
   const long tiles = (cout + LANES - 1) / LANES;
   const float *resp = j->resp;
   for (long u = u0; u < u1; ++u) { /* u = (i half + jj) m + mi */
-    const long mi = u % m, win = u / m, y = 2 * (win / half), x = 2 * (win % half);
-    const float *const p[4] = {resp + ((y * j->w + x) * m + mi) * kk,
-                               resp + ((y * j->w + x + 1) * m + mi) * kk,
-                               resp + (((y + 1) * j->w + x) * m + mi) * kk,
-                               resp + (((y + 1) * j->w + x + 1) * m + mi) * kk};
+    const long mi = u % m, ri = mi % mr, win = u / m, y = 2 * (win / half), x = 2 * (win % half);
+    const float *wt = (const float *)j->wt + mi / mr * tiles * kk * LANES;
+    const float *const p[4] = {resp + ((y * j->w + x) * mr + ri) * kk,
+                               resp + ((y * j->w + x + 1) * mr + ri) * kk,
+                               resp + (((y + 1) * j->w + x) * mr + ri) * kk,
+                               resp + (((y + 1) * j->w + x + 1) * mr + ri) * kk};
     float *o = (float *)j->out + u * cout;
     long t0 = 0;
     for (; t0 + TGROUP <= tiles; t0 += TGROUP)
-      mix_f32(p, j->wt, j->bias, o, kk, cout, t0, j->relu, TGROUP);
+      mix_f32(p, wt, j->bias, o, kk, cout, t0, j->relu, TGROUP);
     switch (tiles - t0) {
-    case 4: mix_f32(p, j->wt, j->bias, o, kk, cout, t0, j->relu, 4); break;
-    case 3: mix_f32(p, j->wt, j->bias, o, kk, cout, t0, j->relu, 3); break;
-    case 2: mix_f32(p, j->wt, j->bias, o, kk, cout, t0, j->relu, 2); break;
-    case 1: mix_f32(p, j->wt, j->bias, o, kk, cout, t0, j->relu, 1); break;
+    case 4: mix_f32(p, wt, j->bias, o, kk, cout, t0, j->relu, 4); break;
+    case 3: mix_f32(p, wt, j->bias, o, kk, cout, t0, j->relu, 3); break;
+    case 2: mix_f32(p, wt, j->bias, o, kk, cout, t0, j->relu, 2); break;
+    case 1: mix_f32(p, wt, j->bias, o, kk, cout, t0, j->relu, 1); break;
     }
   }
 }
 
 int pooled_mix_f32(const float *resp, const float *wt, const float *bias, float *out, long h,
-                   long w, long m, long kk, long cout, long relu, long threads) {
-  if (h < 2 || w < 2 || m < 1 || kk < 1 || cout < 1 || threads < 1) return 1;
-  const mjob_t job = {resp, wt, bias, out, h, w, m, kk, cout, relu};
+                   long w, long m, long kk, long cout, long sets, long relu, long threads) {
+  if (h < 2 || w < 2 || m < 1 || kk < 1 || cout < 1 || sets < 1 || m % sets || threads < 1)
+    return 1;
+  const mjob_t job = {resp, wt, bias, out, h, w, m, kk, cout, sets, relu};
   const long units = (h / 2) * (w / 2) * m;
   const long chunk = chunk_size(units, threads);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
@@ -310,32 +316,36 @@ static inline __attribute__((always_inline)) void mix_bf16(const int *const p[4]
 }
 
 static void mix_bf16_rows(const mjob_t *j, long u0, long u1) {
-  const long m = j->m, pairs = j->kk / 2, cout = j->cout, half = j->w / 2;
+  const long m = j->m, mr = m / j->sets, pairs = j->kk / 2, cout = j->cout, half = j->w / 2;
   const long tiles = (cout + LANES - 1) / LANES;
   const int *resp = j->resp;
   for (long u = u0; u < u1; ++u) {
-    const long mi = u % m, win = u / m, y = 2 * (win / half), x = 2 * (win % half);
-    const int *const p[4] = {resp + ((y * j->w + x) * m + mi) * pairs,
-                             resp + ((y * j->w + x + 1) * m + mi) * pairs,
-                             resp + (((y + 1) * j->w + x) * m + mi) * pairs,
-                             resp + (((y + 1) * j->w + x + 1) * m + mi) * pairs};
+    const long mi = u % m, ri = mi % mr, win = u / m, y = 2 * (win / half), x = 2 * (win % half);
+    const int *wt = (const int *)j->wt + mi / mr * tiles * pairs * LANES;
+    const int *const p[4] = {resp + ((y * j->w + x) * mr + ri) * pairs,
+                             resp + ((y * j->w + x + 1) * mr + ri) * pairs,
+                             resp + (((y + 1) * j->w + x) * mr + ri) * pairs,
+                             resp + (((y + 1) * j->w + x + 1) * mr + ri) * pairs};
     unsigned short *o = (unsigned short *)j->out + u * cout;
     long t0 = 0;
     for (; t0 + TGROUP <= tiles; t0 += TGROUP)
-      mix_bf16(p, j->wt, j->bias, o, pairs, cout, t0, j->relu, TGROUP);
+      mix_bf16(p, wt, j->bias, o, pairs, cout, t0, j->relu, TGROUP);
     switch (tiles - t0) {
-    case 4: mix_bf16(p, j->wt, j->bias, o, pairs, cout, t0, j->relu, 4); break;
-    case 3: mix_bf16(p, j->wt, j->bias, o, pairs, cout, t0, j->relu, 3); break;
-    case 2: mix_bf16(p, j->wt, j->bias, o, pairs, cout, t0, j->relu, 2); break;
-    case 1: mix_bf16(p, j->wt, j->bias, o, pairs, cout, t0, j->relu, 1); break;
+    case 4: mix_bf16(p, wt, j->bias, o, pairs, cout, t0, j->relu, 4); break;
+    case 3: mix_bf16(p, wt, j->bias, o, pairs, cout, t0, j->relu, 3); break;
+    case 2: mix_bf16(p, wt, j->bias, o, pairs, cout, t0, j->relu, 2); break;
+    case 1: mix_bf16(p, wt, j->bias, o, pairs, cout, t0, j->relu, 1); break;
     }
   }
 }
 
 int pooled_mix_bf16(const int *resp, const int *wt, const float *bias, unsigned short *out,
-                    long h, long w, long m, long kk, long cout, long relu, long threads) {
-  if (h < 2 || w < 2 || m < 1 || kk < 2 || kk % 2 || cout < 1 || threads < 1) return 1;
-  const mjob_t job = {resp, wt, bias, out, h, w, m, kk, cout, relu};
+                    long h, long w, long m, long kk, long cout, long sets, long relu,
+                    long threads) {
+  if (h < 2 || w < 2 || m < 1 || kk < 2 || kk % 2 || cout < 1 || sets < 1 || m % sets ||
+      threads < 1)
+    return 1;
+  const mjob_t job = {resp, wt, bias, out, h, w, m, kk, cout, sets, relu};
   const long units = (h / 2) * (w / 2) * m;
   const long chunk = chunk_size(units, threads);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
@@ -463,13 +473,19 @@ static inline __attribute__((always_inline)) void gpool(const int *a, const int 
 }
 
 /* rows 2p and 2p + 1 of a panel of 32 columns of B (row stride n) interleaved into pairs:
- * buf[p][0:16] for columns 0-15, buf[p][16:32] for 16-31; masked past the panel's width */
+ * buf[p][0:16] for columns 0-15, buf[p][16:32] for 16-31; masked past the panel's width.
+ * The K rows are K streams a row stride apart, more than the hardware prefetcher follows:
+ * each row's line two panels ahead is fetched here (5-15 % off the DFTs' GEMMs alone,
+ * BENCHMARKS.md, "Issue 13, sixteenth session"; a prefetch past the end does not fault). */
+#define PREFETCH 64 /* columns ahead */
 static void pair_rows(const unsigned short *b, long n, long pairs, __mmask32 mask, int *buf) {
   static const short lo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   const __m512i idx_lo = _mm512_loadu_si512(lo);
   const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
   for (long p = 0; p < pairs; ++p) {
+    _mm_prefetch((const char *)(b + 2 * p * n + PREFETCH), _MM_HINT_T0);
+    _mm_prefetch((const char *)(b + (2 * p + 1) * n + PREFETCH), _MM_HINT_T0);
     const __m512i r0 = _mm512_maskz_loadu_epi16(mask, b + 2 * p * n);
     const __m512i r1 = _mm512_maskz_loadu_epi16(mask, b + (2 * p + 1) * n);
     _mm512_store_si512(buf + p * 32, _mm512_permutex2var_epi16(r0, idx_lo, r1));

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..basis import BasisSpec, sample_basis
+from ..basis import BasisSpec, sample_basis, steering
 from . import native
 from .common import (
     ConvMethod,
@@ -259,20 +259,22 @@ class LiftingRSTConv(_BasisConv):
         y = resp2d @ a.t() if bias is None else torch.addmm(bias, resp2d, a.t())
         return y.view(*resp.shape[:-1], self.out_channels).permute(4, 5, 2, 3, 0, 1)
 
-    def _responses(self, x: Tensor) -> Tensor:
-        """Responses to the K R S basis copies, spatial-major ``[H, W, R, S, B, Cin*K]``.
+    def _responses(self, x: Tensor, rotations: int | None = None) -> Tensor:
+        """Responses to the K R S basis copies, spatial-major ``[H, W, R, S, B, Cin*K]``
+        (``rotations``: to those of the first ones only, R = ``rotations``).
         The convolutions run channels-last with the basis copies ordered (r, k), so each
         output pixel holds runs of K values that one copy per scale moves into place (the
         channels-first output had K R H W strides between them: 2.6x slower at batch 128)."""
         b, c, h, wd = x.shape
-        rot, nk, nsc = self.spec.rotations, self.spec.num_funcs, self.spec.num_scales
+        rot = self.spec.rotations if rotations is None else rotations
+        nk, nsc = self.spec.num_funcs, self.spec.num_scales
         # .to, not .contiguous: with one channel both layouts count as contiguous and
         # .contiguous keeps the strides that make the convolution answer channels-first
         xl = x.to(memory_format=torch.channels_last)
         out = None
         for s in range(nsc):
             w = self._window(s)
-            ws = self.basis[:, :, s, w, w].transpose(0, 1).flatten(0, 1)  # [R*K, ks, ks]
+            ws = self.basis[:, :rot, s, w, w].transpose(0, 1).flatten(0, 1)  # [R*K, ks, ks]
             ws = ws.unsqueeze(1).repeat(c, 1, 1, 1)  # [Cin*R*K, 1, ks, ks], rows (c, r, k)
             ws = ws.to(memory_format=torch.channels_last)
             y = F.conv2d(xl, ws, padding=ws.shape[-1] // 2, groups=c)  # memory (b, h, w, c, r, k)
@@ -292,15 +294,25 @@ class LiftingRSTConv(_BasisConv):
         """``RSTMaxPool(relu)(forward(x))`` on the basis path, without storing the
         full-resolution map or its gradient (at batch 128 in ``rst_cnn_fb`` a 3.5 GB map):
         the mixing GEMM runs a few windows of two image rows at a time (``MIX_CHUNK_ROWS``)
-        and pools them at once.
+        and pools them at once. On the CPU without a gradient, where the basis is steerable
+        (``basis.steering``: each rotated copy a fixed combination M_r of the upright K),
+        the convolutions run the K upright copies only, an R-th of their multiply-adds
+        and of the responses' memory, and the compiled pooled mixing takes the weights
+        ``a M_r`` for rotation r (the same sums up to round-off: the basis itself holds
+        ``M_r`` to 1e-10 of its largest sample).
         x [B, Cin, H, W] -> [B, Cout, R, S, H/2, W/2]."""
         self._check_images(x)
         b, _, h, w = x.shape
         _check_even(h, w)
-        resp = self._responses(x)  # [H, W, R, S, B, Cin*K]
         rot, nsc, cout = self.spec.rotations, self.spec.num_scales, self.out_channels
         a = self.weight.reshape(cout, -1)  # [Cout, Cin*K]
-        resp = resp.view(h, -1, a.shape[1])
+        steer = self._steered_weights()
+        if steer is not None:  # compiled, CPU: one pass over the upright responses
+            resp = self._responses(x, rotations=1).view(h, -1, a.shape[1])
+            if native.pooled_mix_available(resp, steer, self.bias):
+                y = native.pooled_mix(resp, steer, self.bias, relu, w)
+                return y.view(h // 2, w // 2, rot, nsc, b, cout).permute(4, 5, 2, 3, 0, 1)
+        resp = self._responses(x).view(h, -1, a.shape[1])  # [H, W*R*S*B, Cin*K]
         if use_triton(resp) and not resp.requires_grad and pooled_mix_fits(resp):
             y = pooled_mix(resp, a, self.bias, relu, w)  # one kernel each way
         elif native.pooled_mix_available(resp, a, self.bias):  # compiled, CPU: one pass
@@ -310,6 +322,29 @@ class LiftingRSTConv(_BasisConv):
         else:  # no backward to come: no argmax to keep (the weights still require grad)
             y, _ = _pooled_mix_rows(resp, a, self.bias, relu, w, argmax=False)
         return y.view(h // 2, w // 2, rot, nsc, b, cout).permute(4, 5, 2, 3, 0, 1)
+
+    def _steered_weights(self) -> Tensor | None:
+        """``a M_r`` for every rotation r, ``[R, Cout, Cin*K]`` (``forward_pooled``), where
+        the basis is steerable and the compiled kernel may serve (CPU, no gradient); else
+        None."""
+        wanted = any(p.requires_grad for p in self.parameters())
+        if (
+            self.weight.device.type != "cpu"
+            or (torch.is_grad_enabled() and wanted)
+            or not native.pooled_mix_available(self.weight[:0])
+        ):
+            return None
+        return self._cached("steered", self._build_steered)
+
+    def _build_steered(self) -> Tensor | None:
+        mats = steering(self.spec)
+        if mats is None:
+            return None
+        m = torch.tensor(mats, dtype=self.weight.dtype)  # [R, K, K]
+        # a_r[o, c, j] = sum_k a[o, c, k] M_r[k, j]: rotation r's response to mode k is
+        # sum_j M_r[k, j] times the upright response to mode j
+        steered = torch.einsum("ock,rkj->rocj", self.weight.detach(), m)
+        return steered.reshape(m.shape[0], self.out_channels, -1)
 
 
 class GroupRSTConv(_BasisConv):

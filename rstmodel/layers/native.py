@@ -29,7 +29,9 @@ channel mixing (each pixel's K basis responses times a ``[Cout, K]`` matrix) and
 max pool with bias and ReLU in one pass, the full-resolution mixed map never written (a
 GEMM of inner size 12 ran at ~12 G multiply-adds/s in torch, chunked and pooled after);
 float32 gives the torch path's values (the same sums in the same order), bfloat16 rounds
-each pooled value once. ``small_gemm``: the DFTs' GEMMs in bfloat16, a DFT matrix of a few
+each pooled value once. Where the basis is steerable (``basis.steering``, the FB basis) it
+takes one set of weights per rotation over the responses to the upright copies only, so the
+lifting layer convolves an R-th of the copies (``LiftingRSTConv.forward_pooled``). ``small_gemm``: the DFTs' GEMMs in bfloat16, a DFT matrix of a few
 dozen rows and columns kept in L1 times maps with millions of columns, B's rows paired for
 the dot-product instruction by a word permute per panel of 32 columns (1.2-3.3x the library
 GEMM at the FFT path's shapes; it serves the DFTs' forward passes, in training too).
@@ -154,13 +156,13 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.joined_rows_product
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5
     fn.restype = ctypes.c_int
-    lib.pooled_mix_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 7
+    lib.pooled_mix_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 8
     lib.pooled_mix_f32.restype = ctypes.c_int
     if hasattr(lib, "paired_rows_product"):  # built where the CPU has AVX512-BF16
         fn = lib.paired_rows_product
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
         fn.restype = ctypes.c_int
-        lib.pooled_mix_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 7
+        lib.pooled_mix_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 8
         lib.pooled_mix_bf16.restype = ctypes.c_int
         lib.small_gemm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5
         lib.small_gemm_bf16.restype = ctypes.c_int
@@ -301,30 +303,35 @@ def pooled_mix(resp: Tensor, a: Tensor, bias: Tensor | None, relu: bool, w: int)
     ``resp``'s dtype: the responses ``[H, W*M, KK]`` of M maps times ``a`` ``[Cout, KK]``,
     plus the bias, each 2x2 window's maximum, through the ReLU if ``relu``: ``[H/2, W/2, M,
     Cout]``. The full-resolution mixed map is never written; each output is summed in
-    float32 and rounded once."""
+    float32 and rounded once.
+
+    ``a`` ``[R, Cout, KK]`` (a steerable basis: ``LiftingRSTConv.forward_pooled``): the
+    responses hold M maps per pixel and the output R M, map ``r M + m`` being map m mixed
+    by ``a[r]``: ``[H/2, W/2, R*M, Cout]``."""
     h, wm, kk = resp.shape
-    m, cout = wm // w, a.shape[0]
-    if h % 2 or w % 2 or wm != w * m or a.shape[1] != kk:
+    sets = 1 if a.dim() == 2 else a.shape[0]
+    m, cout = wm // w, a.shape[-2]
+    if h % 2 or w % 2 or wm != w * m or a.shape[-1] != kk:
         raise ValueError(f"responses {tuple(resp.shape)} do not fit {w} columns and {kk} inputs")
     tiles = -(-cout // TILE)
     padded = torch.zeros(tiles * TILE, dtype=torch.float32)
     if bias is not None:
         padded[:cout] = bias.detach().float()
-    wt = torch.zeros(tiles * TILE, kk, dtype=resp.dtype)
-    wt[:cout] = a.detach()
-    out = resp.new_empty(h // 2, w // 2, m, cout)
+    wt = torch.zeros(sets, tiles * TILE, kk, dtype=resp.dtype)
+    wt[:, :cout] = a.detach().view(sets, cout, kk)
+    out = resp.new_empty(h // 2, w // 2, sets * m, cout)
     resp = resp.contiguous()
     if resp.dtype == torch.float32:
-        fn, wt = _library().pooled_mix_f32, wt.view(tiles, TILE, kk).transpose(1, 2)
+        fn, wt = _library().pooled_mix_f32, wt.view(sets, tiles, TILE, kk).transpose(2, 3)
     elif resp.dtype == torch.bfloat16 and kk % 2 == 0:
         fn = _library().pooled_mix_bf16
-        wt = wt.view(tiles, TILE, kk // 2, 2).transpose(1, 2)  # pairs of channels
+        wt = wt.view(sets, tiles, TILE, kk // 2, 2).transpose(2, 3)  # pairs of channels
     else:
         raise ValueError(f"float32, or bfloat16 with an even KK, not {resp.dtype} with {kk}")
     wt = wt.contiguous()
     threads = max(1, torch.get_num_threads())
-    args = (resp.data_ptr(), wt.data_ptr(), padded.data_ptr(), out.data_ptr(), h, w, m, kk, cout)
-    if fn(*args, int(relu), threads):
+    args = (resp.data_ptr(), wt.data_ptr(), padded.data_ptr(), out.data_ptr(), h, w)
+    if fn(*args, sets * m, kk, cout, sets, int(relu), threads):
         raise ValueError(f"no 2x2 window in {h} x {w}")
     return out
 
