@@ -364,12 +364,18 @@ def test_reproduce_keeps_each_run_as_it_finishes_and_reports(tmp_path, idx_sourc
     assert "| cnn | rs-fashion | 64 | no | ID | 1 |" in (kept / "table.md").read_text()
 
 
-def test_train_trial_stops_on_sigint_even_when_started_ignoring_it(tmp_path, idx_source):
+def test_train_trial_stops_on_sigint_even_when_started_ignoring_it(
+    tmp_path, idx_source, monkeypatch
+):
     """reproduce.py --deadline sends itself SIGINT, and a job started in the background by a
     script starts with SIGINT ignored: train_trial installs its own handler, so the trial
     stops at the next batch boundary either way instead of running on."""
     import os
     import signal
+
+    # the realisation of the test's tiny source goes to a temporary cache, not over the
+    # checkout's prepared data (data/), which the next real run would have to prepare again
+    monkeypatch.setenv("RSTCNN_DATA", str(tmp_path / "cache"))
 
     full = budgets.BUDGETS["smoke"]
     args = budgets.budget_config(

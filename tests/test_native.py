@@ -362,6 +362,65 @@ def test_the_lifting_layer_takes_the_pooled_mix_in_eval(monkeypatch, precision):
 
 @paired
 @pytest.mark.parametrize(
+    "m,k,batch,segments,seg",
+    [
+        (32, 28, 3, 8, 552),
+        (18, 14, 2, 16, 69),
+        (5, 2, 3, 4, 40),
+        (9, 4, 2, 3, 33),
+        (3, 6, 1, 2, 64),
+    ],
+)
+def test_small_gemm_gather_is_the_product_of_the_gathered_rows(m, k, batch, segments, seg):
+    """Segments of B's rows of 32, 33, 40, 64, 69 and 552 values, so that panels of 32
+    columns lie in one segment, span two, or end short: the same values, bit for bit, as
+    ``small_gemm`` on the gathered copy (rows repeated and in any order)."""
+    src = torch.randn(50, seg).bfloat16()
+    a = torch.randn(m, k).bfloat16()
+    index = torch.randint(0, 50, (batch * k * segments,))
+    want = native.small_gemm(a, src[index].view(batch, k, segments * seg))
+    got = native.small_gemm_gather(a, src, index, batch)
+    assert got.shape == (batch, m, segments * seg) and torch.equal(got, want)
+
+
+@paired
+def test_small_gemm_gather_says_what_it_cannot_take():
+    a, src = torch.randn(4, 6).bfloat16(), torch.randn(10, 40).bfloat16()
+    index = torch.zeros(2 * 6 * 3, dtype=torch.long)
+    assert not native.small_gemm_gather_available(a, src[:, :31])  # rows under 32
+    assert not native.small_gemm_gather_available(a.float(), src.float())
+    assert not native.small_gemm_gather_available(a[:, :5], src)  # odd K
+    with pytest.raises(ValueError, match="rows of >= 32"):
+        native.small_gemm_gather(a, src[:, :31], index, 2)
+    with pytest.raises(ValueError, match="indices"):
+        native.small_gemm_gather(a, src, index[:-1], 2)
+    with pytest.raises(ValueError, match="outside the 10 rows"):
+        native.small_gemm_gather(a, src, index + 10, 2)
+
+
+@paired
+def test_the_fft_path_reads_its_rows_where_they_lie_in_bfloat16_eval(monkeypatch):
+    """Eval in bfloat16 without a gradient: the forward DFTs read each block's rows through
+    ``small_gemm_gather``, and the logits are, bit for bit, those of the gathered copy."""
+    from rstmodel import create_model
+    from rstmodel.precision import inference
+
+    torch.manual_seed(0)
+    model = create_model("rst_cnn_fb", channels=(8, 10, 12)).eval()
+    x = torch.randn(4, 1, 56, 56)  # rows of B Cin = 32 and 40 values
+    calls = []
+    real = native.small_gemm_gather
+    monkeypatch.setattr(native, "small_gemm_gather", lambda *a: calls.append(1) or real(*a))
+    with inference("bf16"):
+        fast = model(x)
+        assert len(calls) == 8  # each block of scales of both group convolutions
+        monkeypatch.setattr(native, "small_gemm_gather_available", lambda *_: False)
+        plain = model(x)
+    assert torch.equal(fast, plain)
+
+
+@paired
+@pytest.mark.parametrize(
     "a_shape,b_shape",
     [((5, 6), (6, 33)), ((13, 2), (2, 32)), ((8, 28), (3, 28, 70)), ((70, 56), (56, 100))],
 )

@@ -367,12 +367,15 @@ int pooled_mix_bf16(const int *resp, const int *wt, const float *bias, unsigned 
  * C gets the sums rounded once to bfloat16. Threads split the (batch, panel) pairs. */
 #define RB 8
 #define KMAX 512
+#define PREFETCH 64 /* columns ahead: pair_rows */
 
 typedef struct {
   const int *a; /* [M][K/2] pairs */
   const unsigned short *b;
   unsigned short *c;
   long batch, ldb_batch, ldc_batch, m, k, n;
+  const long *idx; /* NULL, or B's rows gathered (small_gemm_gather_bf16) */
+  long seg;
 } gjob_t;
 
 static inline __attribute__((always_inline)) void gblock(const int *a, const int *buf,
@@ -397,12 +400,16 @@ static inline __attribute__((always_inline)) void gblock(const int *a, const int
 }
 
 static void pair_rows(const unsigned short *b, long n, long pairs, __mmask32 mask, int *buf);
+static void pair_gathered_rows(const gjob_t *j, long bi, long n0, __mmask32 mask, int *buf);
 
 static void gpanel(const gjob_t *j, long bi, long n0, int *buf) {
   const long m = j->m, pairs = j->k / 2, n = j->n, width = n - n0 < 32 ? n - n0 : 32;
   const __mmask32 mask = width == 32 ? ~(__mmask32)0 : (((__mmask32)1 << width) - 1);
   unsigned short *c = j->c + bi * j->ldc_batch + n0;
-  pair_rows(j->b + bi * j->ldb_batch + n0, n, pairs, mask, buf);
+  if (j->idx)
+    pair_gathered_rows(j, bi, n0, mask, buf);
+  else
+    pair_rows(j->b + bi * j->ldb_batch + n0, n, pairs, mask, buf);
   long m0 = 0;
   for (; m0 + RB <= m; m0 += RB) gblock(j->a, buf, c, n, pairs, m0, mask, RB);
   switch (m - m0) {
@@ -419,7 +426,59 @@ static void gpanel(const gjob_t *j, long bi, long n0, int *buf) {
 int small_gemm_bf16(const int *a, const unsigned short *b, unsigned short *c, long batch,
                     long m, long k, long n, long threads) {
   if (batch < 1 || m < 1 || k < 2 || k % 2 || k > KMAX || n < 1 || threads < 1) return 1;
-  const gjob_t job = {a, b, c, batch, k * n, m * n, m, k, n};
+  const gjob_t job = {a, b, c, batch, k * n, m * n, m, k, n, NULL, 0};
+  const long panels = (n + 31) / 32, units = batch * panels;
+  const long chunk = chunk_size(units, threads);
+#pragma omp parallel num_threads(threads)
+  {
+    int buf[KMAX / 2 * 32] __attribute__((aligned(64)));
+#pragma omp for schedule(dynamic, chunk)
+    for (long u = 0; u < units; ++u) gpanel(&job, u / panels, (u % panels) * 32, buf);
+  }
+  return 0;
+}
+#endif
+
+#ifdef __AVX512BF16__
+/* small_gemm_bf16 with B's rows gathered from a table of rows (the forward DFT's first
+ * GEMM reading the FFT path's blocks of maps where they lie: no gathered copy written and
+ * read back): B[bi][k][n] = src[idx[(bi K + k) J + n / SEG] SEG + n % SEG], J = N / SEG
+ * segments of SEG >= 32 values per row of B, so a panel of 32 columns spans at most two. */
+static inline __m512i gathered_panel(const unsigned short *src, const long *seg, long len,
+                                     long n0, __mmask32 mask) {
+  const long j0 = n0 / len, off = n0 % len, first = len - off;
+  const unsigned short *p0 = src + seg[j0] * len + off;
+  _mm_prefetch((const char *)(p0 + PREFETCH), _MM_HINT_T0);
+  if (first >= 32) return _mm512_maskz_loadu_epi16(mask, p0);
+  const __mmask32 lo = ((__mmask32)1 << first) - 1;
+  const __m512i v = _mm512_maskz_loadu_epi16(mask & lo, p0);
+  if (!(mask & ~lo)) return v;
+  /* lanes first..31 from the next segment's start */
+  return _mm512_mask_loadu_epi16(v, mask & ~lo, src + seg[j0 + 1] * len - first);
+}
+
+static void pair_gathered_rows(const gjob_t *j, long bi, long n0, __mmask32 mask, int *buf) {
+  static const short lo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i idx_lo = _mm512_loadu_si512(lo);
+  const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
+  const long segs = j->n / j->seg;
+  const long *row = j->idx + bi * j->k * segs;
+  for (long p = 0; p < j->k / 2; ++p) {
+    const __m512i r0 = gathered_panel(j->b, row + 2 * p * segs, j->seg, n0, mask);
+    const __m512i r1 = gathered_panel(j->b, row + (2 * p + 1) * segs, j->seg, n0, mask);
+    _mm512_store_si512(buf + p * 32, _mm512_permutex2var_epi16(r0, idx_lo, r1));
+    _mm512_store_si512(buf + p * 32 + 16, _mm512_permutex2var_epi16(r0, idx_hi, r1));
+  }
+}
+
+int small_gemm_gather_bf16(const int *a, const unsigned short *src, const long *idx,
+                           unsigned short *c, long batch, long m, long k, long n, long seg,
+                           long threads) {
+  if (batch < 1 || m < 1 || k < 2 || k % 2 || k > KMAX || n < 1 || seg < 32 || n % seg ||
+      threads < 1)
+    return 1;
+  const gjob_t job = {a, src, c, batch, 0, m * n, m, k, n, idx, seg};
   const long panels = (n + 31) / 32, units = batch * panels;
   const long chunk = chunk_size(units, threads);
 #pragma omp parallel num_threads(threads)
@@ -477,7 +536,6 @@ static inline __attribute__((always_inline)) void gpool(const int *a, const int 
  * The K rows are K streams a row stride apart, more than the hardware prefetcher follows:
  * each row's line two panels ahead is fetched here (5-15 % off the DFTs' GEMMs alone,
  * BENCHMARKS.md, "Issue 13, sixteenth session"; a prefetch past the end does not fault). */
-#define PREFETCH 64 /* columns ahead */
 static void pair_rows(const unsigned short *b, long n, long pairs, __mmask32 mask, int *buf) {
   static const short lo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};

@@ -21,6 +21,7 @@ from .common import (
 )
 from .kernels import (
     _autocast_dtype,
+    _compute_dtype,
     _copy_runs,
     _fft_rows,
     _GatherRows,
@@ -32,6 +33,7 @@ from .kernels import (
     _ScatterRows,
     inverse_real_dft2_pooled,
     joined_complex_product,
+    real_dft2_rows,
 )
 from .pooling import _check_even
 from .triton_ops import complex_mix, pooled_mix, pooled_mix_fits, use_triton
@@ -661,10 +663,17 @@ class GroupRSTConv(_BasisConv):
         # each block's rows (h, w, p, s, q), map r = q R/4 + p turned back q quarter turns
         bounds = (*(first for first, *_ in blocks), nsc)
         rows = _fft_rows(h, w, rot, quarters, bounds, x.device)
-        parts = (xs,) if rows is None else _GatherRows.apply(xs, *rows)
+        wanted = x.requires_grad or any(p.requires_grad for p in self.parameters())
+        if rows is None:
+            parts = [(xs, None)]
+        elif torch.is_grad_enabled() and wanted:
+            parts = [(part, None) for part in _GatherRows.apply(xs, *rows)]
+        else:  # no gradient: each block's DFT reads its rows where they lie (real_dft2_rows)
+            xs = xs.to(_compute_dtype(xs))
+            parts = [(xs, index) for index in rows]
         ys = [
-            self._fft_block(part, (h, w), block, quarters, bias, pool_relu)
-            for part, block in zip(parts, blocks, strict=True)
+            self._fft_block(part, (h, w), block, quarters, bias, pool_relu, index)
+            for (part, index), block in zip(parts, blocks, strict=True)
         ]
         if pool_relu is not None:  # pooled where the maps are turned back: see forward_pooled
             h, w = h // 2, w // 2
@@ -681,14 +690,20 @@ class GroupRSTConv(_BasisConv):
         quarters: int,
         bias: Tensor | None,
         pool_relu: bool | None = None,
+        index: Tensor | None = None,
     ) -> Tensor:
         """``forward_fft`` for the scales of one block: maps ``[rows (h, w, p, s, q),
-        B*Cin] -> [the same rows, B*Cout]`` (``pool_relu``: rows (h/2, w/2, p, s, q))."""
+        B*Cin] -> [the same rows, B*Cout]`` (``pool_relu``: rows (h/2, w/2, p, s, q));
+        with ``index``, the block's rows are ``xs[index]`` (no gradient)."""
         (h, w), (first, end, nh, nw) = size, block
         fw, nsc, cin = nw // 2 + 1, end - first, self.in_channels
         filt_rot, bq = self.spec.rotations // quarters, xs.shape[1] // cin * quarters
         shape = (h, w, nh, nw)
-        x_re, x_im = _RealDFT2.apply(xs.view(h, -1), shape)  # [nh, Fw, R'*S'*B'*Cin] each
+        rows = xs.shape[0] if index is None else index.numel()
+        if index is None:
+            x_re, x_im = _RealDFT2.apply(xs.view(h, -1), shape)  # [nh, Fw, R'*S'*B'*Cin]
+        else:
+            x_re, x_im = real_dft2_rows(xs, index, shape)
         freqs = nh * fw * filt_rot * nsc
         shape6 = (nh, fw, filt_rot, nsc, bq, cin)
         x_re = self._gather_spectral_taps(x_re.view(shape6), quarters).view(freqs, bq, -1)
@@ -724,8 +739,8 @@ class GroupRSTConv(_BasisConv):
             g = self._cached("fft" + name, lambda: self.spectra(nh, nw, filt_rot, scales))
             y = _GaussProduct.apply(x_re, x_im, *g, *dc)
         if pool_relu is not None:  # no gradient: see forward_pooled
-            return inverse_real_dft2_pooled(y, shape, pool_relu).view(xs.shape[0] // 4, -1)
-        return _InverseRealDFT2.apply(y, shape).view(xs.shape[0], -1)  # [H, W, R'*S'*B'*Cout]
+            return inverse_real_dft2_pooled(y, shape, pool_relu).view(rows // 4, -1)
+        return _InverseRealDFT2.apply(y, shape).view(rows, -1)  # [H, W, R'*S'*B'*Cout]
 
     def scale_blocks(self, h: int, w: int) -> list[tuple[int, int, int, int]]:
         """``(first scale, end, nh, nw)`` of each block of scales that the FFT path runs on

@@ -302,7 +302,6 @@ class _RealDFT2(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, shape: tuple[int, int, int, int]):
         h, w, nh, nw = ctx.shape = shape
-        fw = nw // 2 + 1
         dtype = _compute_dtype(x)
         dft = _dft_matrices(h, w, nh, nw, dtype, x.device)
         x = x.to(dtype)
@@ -310,9 +309,7 @@ class _RealDFT2(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             # along W: a = sum_w x e^{-i 2 pi f w / nw}, rows (h, re/im): [H, 2Fw, M]
             a = _dft_product(dft.fwd_w, x.view(h, w, m))
-            # along H: X = sum_h a e^{-i 2 pi n h / nh}, rows (re/im, n): [2nh, Fw*M]
-            spectrum = _dft_product(dft.fwd_h, a.view(2 * h, fw * m))
-        return spectrum[:nh].view(nh, fw, m), spectrum[nh:].view(nh, fw, m)
+        return _forward_along_h(dft, a, shape)
 
     @staticmethod
     def backward(ctx, g_re: Tensor, g_im: Tensor):
@@ -325,6 +322,35 @@ class _RealDFT2(torch.autograd.Function):
         ga.addmm_(dft.fwd_h[nh:].mT, g_im.reshape(nh, fw * m))  # [2H, Fw*M], rows (h, re/im)
         gx = torch.bmm(dft.fwd_w.mT.expand(h, w, 2 * fw), ga.view(h, 2 * fw, m))
         return gx.view(h, w * m), None
+
+
+def _forward_along_h(
+    dft: _DFTMatrices, a: Tensor, shape: tuple[int, int, int, int]
+) -> tuple[Tensor, Tensor]:
+    """The forward DFT's second GEMM: ``a`` ``[H, 2Fw, M]`` (rows (h, re/im), the first
+    GEMM's) -> (Re X, Im X), each ``[nh, Fw, M]``; X = sum_h a e^{-i 2 pi n h / nh}."""
+    h, _, nh, nw = shape
+    fw, m = nw // 2 + 1, a.shape[-1]
+    with torch.autocast(a.device.type, enabled=False):
+        spectrum = _dft_product(dft.fwd_h, a.view(2 * h, fw * m))  # rows (re/im, n)
+    return spectrum[:nh].view(nh, fw, m), spectrum[nh:].view(nh, fw, m)
+
+
+def real_dft2_rows(
+    xs: Tensor, index: Tensor, shape: tuple[int, int, int, int]
+) -> tuple[Tensor, Tensor]:
+    """``_RealDFT2`` of the rows ``xs[index]`` (viewed ``[H, W*M]``), without a gradient:
+    in bfloat16 on the CPU the first GEMM reads each row where it lies
+    (``native.small_gemm_gather``: the gathered copy is neither written nor read back),
+    elsewhere the gathered copy and ``_RealDFT2``."""
+    h, w, nh, nw = shape
+    dtype = _compute_dtype(xs)
+    dft = _dft_matrices(h, w, nh, nw, dtype, xs.device)
+    if native.small_gemm_gather_available(dft.fwd_w, xs.to(dtype)[:0]):
+        with torch.autocast(xs.device.type, enabled=False):
+            a = native.small_gemm_gather(dft.fwd_w, xs.to(dtype), index, h)
+        return _forward_along_h(dft, a, shape)
+    return _RealDFT2.apply(xs.index_select(0, index).view(h, -1), shape)
 
 
 class _InverseRealDFT2(torch.autograd.Function):

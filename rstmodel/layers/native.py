@@ -85,6 +85,8 @@ __all__ = [
     "pooled_mix",
     "small_gemm_available",
     "small_gemm",
+    "small_gemm_gather_available",
+    "small_gemm_gather",
     "small_gemm_pool_available",
     "small_gemm_pool",
     "TILE",
@@ -166,6 +168,8 @@ def _library() -> ctypes.CDLL | None:
         lib.pooled_mix_bf16.restype = ctypes.c_int
         lib.small_gemm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5
         lib.small_gemm_bf16.restype = ctypes.c_int
+        lib.small_gemm_gather_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 6
+        lib.small_gemm_gather_bf16.restype = ctypes.c_int
         lib.small_gemm_pool_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 6
         lib.small_gemm_pool_bf16.restype = ctypes.c_int
     return lib
@@ -375,6 +379,51 @@ def small_gemm(a: Tensor, b: Tensor) -> Tensor:
         a.data_ptr(), b.data_ptr(), c.data_ptr(), batch, m, k, n, threads
     ):
         raise ValueError(f"no product for {tuple(a.shape)} @ {tuple(b.shape)}")
+    return c
+
+
+def small_gemm_gather_available(a: Tensor, src: Tensor) -> bool:
+    """Whether ``small_gemm_gather`` serves ``a`` and the table of rows ``src`` ``[rows,
+    SEG]``: as ``small_gemm``, with rows of at least 32 values."""
+    lib = _library() if a.device.type == src.device.type == "cpu" else None
+    k = a.shape[-1]
+    return (
+        lib is not None
+        and hasattr(lib, "small_gemm_gather_bf16")
+        and a.dtype == src.dtype == torch.bfloat16
+        and a.dim() == src.dim() == 2
+        and src.shape[1] >= 32
+        and k % 2 == 0
+        and 2 <= k <= SMALL_GEMM_MAX_K
+        and not (torch.is_grad_enabled() and (a.requires_grad or src.requires_grad))
+    )
+
+
+def small_gemm_gather(a: Tensor, src: Tensor, index: Tensor, batch: int) -> Tensor:
+    """``small_gemm(a, src[index].view(batch, K, N))`` without the gathered copy: ``a``
+    ``[M, K]``, ``src`` ``[rows, SEG]`` (bfloat16), ``index`` ``[batch * K * J]`` (int64)
+    naming the row of ``src`` for each segment of SEG columns of B (N = J SEG): the forward
+    DFT's first GEMM reading the FFT path's blocks of maps where they lie
+    (``kernels.real_dft2_rows``). Returns ``[batch, M, N]``."""
+    m, k = a.shape
+    seg = src.shape[1]
+    if not small_gemm_gather_available(a, src) or index.numel() % (batch * k):
+        raise ValueError(
+            f"bfloat16 [M, K] and rows of >= 32 with an even K <= {SMALL_GEMM_MAX_K} and "
+            f"{batch} x K x J indices only, not {a.dtype} {tuple(a.shape)}, {src.dtype} "
+            f"{tuple(src.shape)}, {index.numel()} indices"
+        )
+    n = index.numel() // (batch * k) * seg
+    a, src = a.contiguous(), src.contiguous()
+    index = index.to(torch.int64).contiguous()
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= src.shape[0]):
+        raise ValueError(f"row indices outside the {src.shape[0]} rows")
+    c = src.new_empty(batch, m, n)
+    threads = max(1, torch.get_num_threads())
+    if _library().small_gemm_gather_bf16(
+        a.data_ptr(), src.data_ptr(), index.data_ptr(), c.data_ptr(), batch, m, k, n, seg, threads
+    ):
+        raise ValueError(f"no gathered product for {tuple(a.shape)} and rows {tuple(src.shape)}")
     return c
 
 
