@@ -489,6 +489,29 @@ def test_small_gemm_pool_is_the_product_pooled(relu, w, h, n):
 
 
 @paired
+@paired
+@pytest.mark.parametrize(
+    "w,k,h,segments,seg", [(28, 32, 4, 8, 552), (14, 18, 2, 16, 69), (4, 6, 2, 3, 33)]
+)
+def test_small_gemm_pool_scatters_its_rows_where_the_index_says(w, k, h, segments, seg):
+    """``out``/``index``: each pooled row's segments written to the rows of ``out`` named
+    by ``index`` (any order, rows not named untouched), bit for bit the pooled values."""
+    a, b = torch.randn(w, k).bfloat16(), torch.randn(h, k, segments * seg).bfloat16()
+    with torch.no_grad():
+        pooled = native.small_gemm_pool(a, b, True)
+        rows = (h // 2) * (w // 2) * segments
+        index = torch.randperm(rows + 5)[:rows]
+        out = torch.full((rows + 5, seg), 7.0, dtype=torch.bfloat16)
+        want = out.clone()
+        want[index] = pooled.reshape(-1, seg)
+        assert native.small_gemm_pool(a, b, True, out=out, index=index) is out
+        assert torch.equal(out, want)
+        with pytest.raises(ValueError, match="row indices"):
+            native.small_gemm_pool(a, b, True, out=out, index=index[:-1])
+        with pytest.raises(ValueError, match="SEG >= 32"):
+            native.small_gemm_pool(a, b, True, out=out.float(), index=index)
+
+
 def test_small_gemm_pool_refuses_what_it_cannot_take():
     a, b = torch.randn(6, 4).bfloat16(), torch.randn(4, 4, 8).bfloat16()
     assert not native.small_gemm_pool_available(a, b)  # gradients could be wanted

@@ -498,9 +498,32 @@ int small_gemm_gather_bf16(const int *a, const unsigned short *src, const long *
  * of a window are computed side by side from their own paired rows (gpanel's buffers),
  * four rows of A at a time (16 sums in registers), and only the pooled values are written:
  * the full-resolution map never leaves the registers. */
+/* a panel's 32 values of one output row, written where its segments of LEN values go:
+ * dst[seg[j] LEN + l] for column j LEN + l of the row (the scatter that follows the group
+ * convolution, small_gemm_pool_scatter_bf16) */
+static inline void scattered_store(unsigned short *dst, const long *seg, long len, long n0,
+                                   __mmask32 mask, __m512i v) {
+  const long j0 = n0 / len, off = n0 % len, first = len - off;
+  if (first >= 32) {
+    _mm512_mask_storeu_epi16(dst + seg[j0] * len + off, mask, v);
+    return;
+  }
+  const __mmask32 lo = ((__mmask32)1 << first) - 1;
+  _mm512_mask_storeu_epi16(dst + seg[j0] * len + off, mask & lo, v);
+  if (mask & ~lo) _mm512_mask_storeu_epi16(dst + seg[j0 + 1] * len - first, mask & ~lo, v);
+}
+
+/* where gpool writes: row m/2 of o (row stride n), or, with dst != NULL, scattered:
+ * pooled row ww's segments listed at dst + ww * segs (scattered_store into out) */
+typedef struct {
+  unsigned short *o, *out;
+  const long *dst;
+  long n, n0, seg, segs;
+} gdest_t;
+
 static inline __attribute__((always_inline)) void gpool(const int *a, const int *buf0,
-                                                        const int *buf1, unsigned short *o,
-                                                        long n, long pairs, long m0, long relu,
+                                                        const int *buf1, const gdest_t *d,
+                                                        long pairs, long m0, long relu,
                                                         __mmask32 mask, const long g) {
   __m512 acc[2][4][2];
   for (long q = 0; q < 2; ++q)
@@ -526,9 +549,14 @@ static inline __attribute__((always_inline)) void gpool(const int *a, const int 
                                 _mm512_max_ps(acc[1][r][t], acc[1][r + 1][t]));
       acc[0][r][t] = relu ? _mm512_max_ps(mx, _mm512_setzero_ps()) : mx;
     }
-  for (long r = 0; r < g; r += 2)
-    _mm512_mask_storeu_epi16(o + (m0 + r) / 2 * n, mask,
-                             (__m512i)_mm512_cvtne2ps_pbh(acc[0][r][1], acc[0][r][0]));
+  for (long r = 0; r < g; r += 2) {
+    const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(acc[0][r][1], acc[0][r][0]);
+    const long ww = (m0 + r) / 2;
+    if (d->dst)
+      scattered_store(d->out, d->dst + ww * d->segs, d->seg, d->n0, mask, v);
+    else
+      _mm512_mask_storeu_epi16(d->o + ww * d->n, mask, v);
+  }
 }
 
 /* rows 2p and 2p + 1 of a panel of 32 columns of B (row stride n) interleaved into pairs:
@@ -551,10 +579,15 @@ static void pair_rows(const unsigned short *b, long n, long pairs, __mmask32 mas
   }
 }
 
-int small_gemm_pool_bf16(const int *a, const unsigned short *b, unsigned short *out, long h,
-                         long w, long k, long n, long relu, long threads) {
+/* out: [H/2, W/2, N]; or, with dst (small_gemm_pool_scatter_bf16), the table of rows of
+ * SEG values that dst names for each segment of each pooled row */
+static int pool_rows(const int *a, const unsigned short *b, unsigned short *out,
+                     const long *dst, long seg, long h, long w, long k, long n, long relu,
+                     long threads) {
   if (h < 2 || h % 2 || w < 2 || w % 2 || k < 2 || k % 2 || k > KMAX || n < 1 || threads < 1)
     return 1;
+  if (dst && (seg < 32 || n % seg)) return 1;
+  const long segs = dst ? n / seg : 0;
   const long pairs = k / 2, panels = (n + 31) / 32, units = (h / 2) * panels;
   const long chunk = chunk_size(units, threads);
 #pragma omp parallel num_threads(threads)
@@ -567,12 +600,28 @@ int small_gemm_pool_bf16(const int *a, const unsigned short *b, unsigned short *
       const __mmask32 mask = width == 32 ? ~(__mmask32)0 : (((__mmask32)1 << width) - 1);
       pair_rows(b + 2 * hh * k * n + n0, n, pairs, mask, buf0);
       pair_rows(b + (2 * hh + 1) * k * n + n0, n, pairs, mask, buf1);
-      unsigned short *o = out + hh * (w / 2) * n + n0;
+      const gdest_t d = {out + hh * (w / 2) * n + n0, out, dst ? dst + hh * (w / 2) * segs : NULL,
+                         n, n0, seg, segs};
       long m0 = 0;
-      for (; m0 + 4 <= w; m0 += 4) gpool(a, buf0, buf1, o, n, pairs, m0, relu, mask, 4);
-      if (m0 < w) gpool(a, buf0, buf1, o, n, pairs, m0, relu, mask, 2);
+      for (; m0 + 4 <= w; m0 += 4) gpool(a, buf0, buf1, &d, pairs, m0, relu, mask, 4);
+      if (m0 < w) gpool(a, buf0, buf1, &d, pairs, m0, relu, mask, 2);
     }
   }
   return 0;
+}
+
+int small_gemm_pool_bf16(const int *a, const unsigned short *b, unsigned short *out, long h,
+                         long w, long k, long n, long relu, long threads) {
+  return pool_rows(a, b, out, NULL, 0, h, w, k, n, relu, threads);
+}
+
+/* small_gemm_pool_bf16 with each pooled row's segments of SEG values written to the rows
+ * of a table that dst names: out[dst[(i W/2 + j) J + n / SEG] SEG + n % SEG], J = N / SEG,
+ * SEG >= 32 (the group convolution's scatter back to the feature layout, fused) */
+int small_gemm_pool_scatter_bf16(const int *a, const unsigned short *b, unsigned short *out,
+                                 const long *dst, long h, long w, long k, long n, long seg,
+                                 long relu, long threads) {
+  if (!dst) return 1;
+  return pool_rows(a, b, out, dst, seg, h, w, k, n, relu, threads);
 }
 #endif

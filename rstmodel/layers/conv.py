@@ -664,6 +664,7 @@ class GroupRSTConv(_BasisConv):
         bounds = (*(first for first, *_ in blocks), nsc)
         rows = _fft_rows(h, w, rot, quarters, bounds, x.device)
         wanted = x.requires_grad or any(p.requires_grad for p in self.parameters())
+        out = targets = None
         if rows is None:
             parts = [(xs, None)]
         elif torch.is_grad_enabled() and wanted:
@@ -671,15 +672,27 @@ class GroupRSTConv(_BasisConv):
         else:  # no gradient: each block's DFT reads its rows where they lie (real_dft2_rows)
             xs = xs.to(_compute_dtype(xs))
             parts = [(xs, index) for index in rows]
+            if pool_relu is not None:  # ... and its pooled maps go straight to their rows
+                targets = _fft_rows(h // 2, w // 2, rot, quarters, bounds, x.device)
+                out = xs.new_empty(h // 2 * (w // 2) * rot * nsc, b * self.out_channels)
         ys = [
-            self._fft_block(part, (h, w), block, quarters, bias, pool_relu, index)
-            for (part, index), block in zip(parts, blocks, strict=True)
+            self._fft_block(
+                part,
+                (h, w),
+                block,
+                quarters,
+                bias,
+                pool_relu,
+                index,
+                None if out is None else (out, targets[i]),
+            )
+            for i, ((part, index), block) in enumerate(zip(parts, blocks, strict=True))
         ]
         if pool_relu is not None:  # pooled where the maps are turned back: see forward_pooled
             h, w = h // 2, w // 2
             rows = None if rows is None else _fft_rows(h, w, rot, quarters, bounds, x.device)
         # every map back to its rows (h, w, r, s), turned forward again
-        y = ys[0] if rows is None else _ScatterRows.apply(rows, *ys)
+        y = out if out is not None else ys[0] if rows is None else _ScatterRows.apply(rows, *ys)
         return y.view(h, w, rot, nsc, b, self.out_channels).permute(4, 5, 2, 3, 0, 1)
 
     def _fft_block(
@@ -691,10 +704,13 @@ class GroupRSTConv(_BasisConv):
         bias: Tensor | None,
         pool_relu: bool | None = None,
         index: Tensor | None = None,
-    ) -> Tensor:
+        scatter: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor | None:
         """``forward_fft`` for the scales of one block: maps ``[rows (h, w, p, s, q),
         B*Cin] -> [the same rows, B*Cout]`` (``pool_relu``: rows (h/2, w/2, p, s, q));
-        with ``index``, the block's rows are ``xs[index]`` (no gradient)."""
+        with ``index``, the block's rows are ``xs[index]`` (no gradient); with ``scatter``
+        ``(out, targets)`` (pooled, no gradient) the pooled rows go to ``out[targets]``
+        and nothing is returned."""
         (h, w), (first, end, nh, nw) = size, block
         fw, nsc, cin = nw // 2 + 1, end - first, self.in_channels
         filt_rot, bq = self.spec.rotations // quarters, xs.shape[1] // cin * quarters
@@ -739,6 +755,9 @@ class GroupRSTConv(_BasisConv):
             g = self._cached("fft" + name, lambda: self.spectra(nh, nw, filt_rot, scales))
             y = _GaussProduct.apply(x_re, x_im, *g, *dc)
         if pool_relu is not None:  # no gradient: see forward_pooled
+            if scatter is not None:
+                inverse_real_dft2_pooled(y, shape, pool_relu, *scatter)
+                return None
             return inverse_real_dft2_pooled(y, shape, pool_relu).view(rows // 4, -1)
         return _InverseRealDFT2.apply(y, shape).view(rows, -1)  # [H, W, R'*S'*B'*Cout]
 

@@ -377,21 +377,34 @@ class _InverseRealDFT2(torch.autograd.Function):
         return (dft.inv_h.mT @ gz).view(ctx.in_shape), None
 
 
-def inverse_real_dft2_pooled(y: Tensor, shape: tuple[int, int, int, int], relu: bool) -> Tensor:
+def inverse_real_dft2_pooled(
+    y: Tensor,
+    shape: tuple[int, int, int, int],
+    relu: bool,
+    out: Tensor | None = None,
+    index: Tensor | None = None,
+) -> Tensor:
     """``_InverseRealDFT2``'s maps ``[H, W, M]`` 2x2 max-pooled (and through a ReLU if
     ``relu``), without a gradient: ``[H/2, W/2, M]``. In bfloat16 on the CPU the last GEMM
     and the pool are one compiled pass (``native.small_gemm_pool``: the full-resolution
-    maps never written), elsewhere the inverse and then ``_pool_quads``."""
+    maps never written), elsewhere the inverse and then ``_pool_quads``. With ``out``
+    ``[rows, SEG]`` and ``index``: the pooled maps as rows of SEG values go to
+    ``out[index]`` (in the compiled pass as it writes them), and ``out`` is returned."""
     h, w = shape[:2]
     dft, z = _inverse_along_h(y, shape)
     with torch.autocast(z.device.type, enabled=False):
         if native.small_gemm_pool_available(dft.inv_w, z):
-            return native.small_gemm_pool(dft.inv_w, z, relu)
-        v = _dft_product(dft.inv_w, z).view(h // 2, 2, w // 2, 2, z.shape[-1])
-    out = v.new_empty(h // 2, w // 2, v.shape[-1])
-    quads = (v[:, 0, :, 0], v[:, 0, :, 1], v[:, 1, :, 0], v[:, 1, :, 1])
-    _pool_quads(*quads, relu=relu, argmax=False, out=out)
-    return out
+            if out is not None and out.dtype == z.dtype and out.shape[1] >= 32:
+                return native.small_gemm_pool(dft.inv_w, z, relu, out=out, index=index)
+            pooled = native.small_gemm_pool(dft.inv_w, z, relu)
+        else:
+            v = _dft_product(dft.inv_w, z).view(h // 2, 2, w // 2, 2, z.shape[-1])
+            pooled = v.new_empty(h // 2, w // 2, v.shape[-1])
+            quads = (v[:, 0, :, 0], v[:, 0, :, 1], v[:, 1, :, 0], v[:, 1, :, 1])
+            _pool_quads(*quads, relu=relu, argmax=False, out=pooled)
+    if out is None:
+        return pooled
+    return out.index_copy_(0, index, pooled.view(-1, out.shape[1]).to(out.dtype))
 
 
 class _GatherRows(torch.autograd.Function):

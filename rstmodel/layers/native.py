@@ -172,6 +172,8 @@ def _library() -> ctypes.CDLL | None:
         lib.small_gemm_gather_bf16.restype = ctypes.c_int
         lib.small_gemm_pool_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 6
         lib.small_gemm_pool_bf16.restype = ctypes.c_int
+        lib.small_gemm_pool_scatter_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 7
+        lib.small_gemm_pool_scatter_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -439,11 +441,16 @@ def small_gemm_pool_available(a: Tensor, b: Tensor) -> bool:
     )
 
 
-def small_gemm_pool(a: Tensor, b: Tensor, relu: bool) -> Tensor:
+def small_gemm_pool(
+    a: Tensor, b: Tensor, relu: bool, out: Tensor | None = None, index: Tensor | None = None
+) -> Tensor:
     """``a @ b`` (``[H, W, N]``, a small ``a`` ``[W, K]``, ``b`` ``[H, K, N]``) 2x2
     max-pooled over (H, W), through a ReLU if ``relu``: ``[H/2, W/2, N]`` bfloat16, the
     full-resolution product never written (the inverse DFT's last GEMM and the pool after
-    it)."""
+    it). With ``out`` ``[rows, SEG]`` (bfloat16, SEG >= 32) and ``index`` ``[H/2 * W/2 *
+    J]`` (N = J SEG): each pooled row's segments written to the rows of ``out`` that
+    ``index`` names, ``out[index] = pooled.view(-1, SEG)`` (the scatter after the group
+    convolution, ``GroupRSTConv.forward_pooled``); returns ``out``."""
     if not small_gemm_pool_available(a, b):
         raise ValueError(
             f"bfloat16 [W, K] @ [H, K, N] with even H, W and K <= {SMALL_GEMM_MAX_K}, no "
@@ -451,11 +458,44 @@ def small_gemm_pool(a: Tensor, b: Tensor, relu: bool) -> Tensor:
         )
     (w, k), (h, _, n) = a.shape, b.shape
     a, b = a.contiguous(), b.contiguous()
-    out = b.new_empty(h // 2, w // 2, n)
     threads = max(1, torch.get_num_threads())
     lib = _library()
-    if lib.small_gemm_pool_bf16(
-        a.data_ptr(), b.data_ptr(), out.data_ptr(), h, w, k, n, int(relu), threads
-    ):
+    if out is None:
+        out = b.new_empty(h // 2, w // 2, n)
+        done = lib.small_gemm_pool_bf16(
+            a.data_ptr(), b.data_ptr(), out.data_ptr(), h, w, k, n, int(relu), threads
+        )
+    else:
+        seg = out.shape[-1]
+        index = index.to(torch.int64).contiguous()
+        if (
+            out.dtype != torch.bfloat16
+            or out.dim() != 2
+            or not out.is_contiguous()
+            or seg < 32
+            or n % seg
+            or index.numel() != (h // 2) * (w // 2) * (n // seg)
+            or int(index.min()) < 0
+            or int(index.max()) >= out.shape[0]
+        ):
+            raise ValueError(
+                f"a contiguous bfloat16 [rows, SEG >= 32] dividing {n} columns and "
+                f"{(h // 2) * (w // 2)} x J row indices only, not {out.dtype} "
+                f"{tuple(out.shape)} and {index.numel()} indices"
+            )
+        done = lib.small_gemm_pool_scatter_bf16(
+            a.data_ptr(),
+            b.data_ptr(),
+            out.data_ptr(),
+            index.data_ptr(),
+            h,
+            w,
+            k,
+            n,
+            seg,
+            int(relu),
+            threads,
+        )
+    if done:
         raise ValueError(f"no pooled product for {tuple(a.shape)} @ {tuple(b.shape)}")
     return out
