@@ -37,7 +37,12 @@ the dot-product instruction by a word permute per panel of 32 columns (1.2-3.3x 
 GEMM at the FFT path's shapes; it serves the DFTs' forward passes, in training too).
 ``small_gemm_pool``: the inverse DFT's last GEMM with the 2x2 max pool (and ReLU) that
 follows the group convolution, the two image rows of each window computed side by side and
-only the pooled values written (``GroupRSTConv.forward_pooled``, eval).
+only the pooled values written (``GroupRSTConv.forward_pooled``, eval); given a table of
+rows and an index, it writes each pooled row's segments where the feature layout keeps them
+(the scatter back from the blocks' quarter-turned rows, fused). ``small_gemm_gather``: the
+forward DFT's first GEMM reading each block's rows from the feature layout through an index,
+where the FFT path would otherwise write a gathered copy and read it back
+(``kernels.real_dft2_rows``).
 
 All the kernels split their work between OpenMP threads. Built with ``-fopenmp`` the
 library needs ``libgomp.so.1``, which the loader finds already loaded beside torch (its
