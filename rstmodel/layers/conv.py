@@ -675,18 +675,10 @@ class GroupRSTConv(_BasisConv):
             if pool_relu is not None:  # ... and its pooled maps go straight to their rows
                 targets = _fft_rows(h // 2, w // 2, rot, quarters, bounds, x.device)
                 out = xs.new_empty(h // 2 * (w // 2) * rot * nsc, b * self.out_channels)
+        scatters = [None] * len(blocks) if out is None else [(out, t) for t in targets]
         ys = [
-            self._fft_block(
-                part,
-                (h, w),
-                block,
-                quarters,
-                bias,
-                pool_relu,
-                index,
-                None if out is None else (out, targets[i]),
-            )
-            for i, ((part, index), block) in enumerate(zip(parts, blocks, strict=True))
+            self._fft_block(part, (h, w), block, quarters, bias, pool_relu, index, scatter)
+            for (part, index), block, scatter in zip(parts, blocks, scatters, strict=True)
         ]
         if pool_relu is not None:  # pooled where the maps are turned back: see forward_pooled
             h, w = h // 2, w // 2

@@ -346,7 +346,7 @@ def real_dft2_rows(
     h, w, nh, nw = shape
     dtype = _compute_dtype(xs)
     dft = _dft_matrices(h, w, nh, nw, dtype, xs.device)
-    if native.small_gemm_gather_available(dft.fwd_w, xs.to(dtype)[:0]):
+    if native.small_gemm_gather_available(dft.fwd_w, xs.to(dtype)):
         with torch.autocast(xs.device.type, enabled=False):
             a = native.small_gemm_gather(dft.fwd_w, xs.to(dtype), index, h)
         return _forward_along_h(dft, a, shape)
