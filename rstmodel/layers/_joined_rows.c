@@ -368,6 +368,9 @@ int pooled_mix_bf16(const int *resp, const int *wt, const float *bias, unsigned 
 #define RB 8
 #define KMAX 512
 #define PREFETCH 64 /* columns ahead: pair_rows */
+/* words of two rows' panels interleaved (row 0's word i, row 1's word i), the first half */
+static const short PAIR_LO[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
 
 typedef struct {
   const int *a; /* [M][K/2] pairs */
@@ -423,19 +426,24 @@ static void gpanel(const gjob_t *j, long bi, long n0, int *buf) {
   }
 }
 
-int small_gemm_bf16(const int *a, const unsigned short *b, unsigned short *c, long batch,
-                    long m, long k, long n, long threads) {
-  if (batch < 1 || m < 1 || k < 2 || k % 2 || k > KMAX || n < 1 || threads < 1) return 1;
-  const gjob_t job = {a, b, c, batch, k * n, m * n, m, k, n, NULL, 0};
-  const long panels = (n + 31) / 32, units = batch * panels;
+/* every (batch, panel) pair of the job, handed out in chunks */
+static int gemm_panels(const gjob_t *job, long threads) {
+  const long panels = (job->n + 31) / 32, units = job->batch * panels;
   const long chunk = chunk_size(units, threads);
 #pragma omp parallel num_threads(threads)
   {
     int buf[KMAX / 2 * 32] __attribute__((aligned(64)));
 #pragma omp for schedule(dynamic, chunk)
-    for (long u = 0; u < units; ++u) gpanel(&job, u / panels, (u % panels) * 32, buf);
+    for (long u = 0; u < units; ++u) gpanel(job, u / panels, (u % panels) * 32, buf);
   }
   return 0;
+}
+
+int small_gemm_bf16(const int *a, const unsigned short *b, unsigned short *c, long batch,
+                    long m, long k, long n, long threads) {
+  if (batch < 1 || m < 1 || k < 2 || k % 2 || k > KMAX || n < 1 || threads < 1) return 1;
+  const gjob_t job = {a, b, c, batch, k * n, m * n, m, k, n, NULL, 0};
+  return gemm_panels(&job, threads);
 }
 #endif
 
@@ -458,9 +466,7 @@ static inline __m512i gathered_panel(const unsigned short *src, const long *seg,
 }
 
 static void pair_gathered_rows(const gjob_t *j, long bi, long n0, __mmask32 mask, int *buf) {
-  static const short lo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i idx_lo = _mm512_loadu_si512(lo);
+  const __m512i idx_lo = _mm512_loadu_si512(PAIR_LO);
   const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
   const long segs = j->n / j->seg;
   const long *row = j->idx + bi * j->k * segs;
@@ -479,15 +485,7 @@ int small_gemm_gather_bf16(const int *a, const unsigned short *src, const long *
       threads < 1)
     return 1;
   const gjob_t job = {a, src, c, batch, 0, m * n, m, k, n, idx, seg};
-  const long panels = (n + 31) / 32, units = batch * panels;
-  const long chunk = chunk_size(units, threads);
-#pragma omp parallel num_threads(threads)
-  {
-    int buf[KMAX / 2 * 32] __attribute__((aligned(64)));
-#pragma omp for schedule(dynamic, chunk)
-    for (long u = 0; u < units; ++u) gpanel(&job, u / panels, (u % panels) * 32, buf);
-  }
-  return 0;
+  return gemm_panels(&job, threads);
 }
 #endif
 
@@ -565,9 +563,7 @@ static inline __attribute__((always_inline)) void gpool(const int *a, const int 
  * each row's line two panels ahead is fetched here (5-15 % off the DFTs' GEMMs alone,
  * BENCHMARKS.md, "Issue 13, sixteenth session"; a prefetch past the end does not fault). */
 static void pair_rows(const unsigned short *b, long n, long pairs, __mmask32 mask, int *buf) {
-  static const short lo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i idx_lo = _mm512_loadu_si512(lo);
+  const __m512i idx_lo = _mm512_loadu_si512(PAIR_LO);
   const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
   for (long p = 0; p < pairs; ++p) {
     _mm_prefetch((const char *)(b + 2 * p * n + PREFETCH), _MM_HINT_T0);

@@ -354,15 +354,21 @@ def small_gemm_available(a: Tensor, b: Tensor) -> bool:
     """Whether ``small_gemm`` serves ``a @ b``: bfloat16 on the CPU, an even K of at most
     ``SMALL_GEMM_MAX_K``, no gradient wanted through the product, the kernel built here
     (AVX512-BF16)."""
+    return (
+        _dft_gemm_ok("small_gemm_bf16", a, b) and b.dim() in (2, 3) and b.shape[-2] == a.shape[-1]
+    )
+
+
+def _dft_gemm_ok(kernel: str, a: Tensor, b: Tensor) -> bool:
+    """What the DFT GEMM kernels share: built here (AVX512-BF16), on the CPU, bfloat16, a
+    2D ``a`` with an even K of at most ``SMALL_GEMM_MAX_K``, no gradient wanted."""
     lib = _library() if a.device.type == b.device.type == "cpu" else None
     k = a.shape[-1]
     return (
         lib is not None
-        and hasattr(lib, "small_gemm_bf16")
+        and hasattr(lib, kernel)
         and a.dtype == b.dtype == torch.bfloat16
         and a.dim() == 2
-        and b.dim() in (2, 3)
-        and b.shape[-2] == k
         and k % 2 == 0
         and 2 <= k <= SMALL_GEMM_MAX_K
         and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
@@ -392,18 +398,7 @@ def small_gemm(a: Tensor, b: Tensor) -> Tensor:
 def small_gemm_gather_available(a: Tensor, src: Tensor) -> bool:
     """Whether ``small_gemm_gather`` serves ``a`` and the table of rows ``src`` ``[rows,
     SEG]``: as ``small_gemm``, with rows of at least 32 values."""
-    lib = _library() if a.device.type == src.device.type == "cpu" else None
-    k = a.shape[-1]
-    return (
-        lib is not None
-        and hasattr(lib, "small_gemm_gather_bf16")
-        and a.dtype == src.dtype == torch.bfloat16
-        and a.dim() == src.dim() == 2
-        and src.shape[1] >= 32
-        and k % 2 == 0
-        and 2 <= k <= SMALL_GEMM_MAX_K
-        and not (torch.is_grad_enabled() and (a.requires_grad or src.requires_grad))
-    )
+    return _dft_gemm_ok("small_gemm_gather_bf16", a, src) and src.dim() == 2 and src.shape[1] >= 32
 
 
 def small_gemm_gather(a: Tensor, src: Tensor, index: Tensor, batch: int) -> Tensor:
