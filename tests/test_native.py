@@ -310,6 +310,77 @@ def test_the_lifting_layer_steers_the_upright_responses_where_the_basis_allows(m
     assert conv._steered_weights() is None  # a gradient wanted: the torch path
 
 
+@pytest.mark.parametrize("cout", [5, 37, 69])
+@pytest.mark.parametrize("relu,with_bias", [(True, True), (False, False)])
+def test_pooled_mix_train_is_the_torch_forward_with_its_argmax(cout, relu, with_bias):
+    """Training's forward (float32): the pooled map of ``_pooled_mix_rows(argmax=True)`` (to
+    round-off: the library's GEMM sums narrow outputs in its own order) and its one-byte
+    window positions, ties included (equal pixels: the first in scan order wins), 4 where
+    the ReLU clamps."""
+    from rstmodel.layers.kernels import _pooled_mix_rows
+
+    h, w, m, kk = 6, 8, 3, 12
+    resp = torch.randn(h, w, m, kk)
+    resp[:, 1::4] = resp[:, 0::4]  # windows 0, 2: left and right columns equal
+    resp[1::4, 2::4] = resp[0::4, 2::4]  # window 1: top and bottom rows equal
+    resp = resp.view(h, w * m, kk)
+    a, bias = torch.randn(cout, kk), torch.randn(cout) if with_bias else None
+    want, want_code = _pooled_mix_rows(resp, a, bias, relu, w, argmax=True)
+    got, code = native.pooled_mix_train(resp, a, bias, relu, w)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(code, want_code)
+    assert set(code.unique().tolist()) >= ({0, 1, 2, 3, 4} if relu else {0, 1, 2, 3})
+
+
+def test_pooled_mix_grad_is_the_torch_coefficient_gradient():
+    """The coefficients' gradient from the pooled gradient and the argmax: the torch form's
+    to float32 round-off (the sums run in another order); clamped outputs add nothing."""
+    from rstmodel.layers.kernels import _pooled_mix_grads
+
+    h, w, m, kk, cout = 8, 6, 5, 12, 37
+    resp, a, bias = torch.randn(h, w * m, kk), torch.randn(cout, kk), torch.randn(cout)
+    _, code = native.pooled_mix_train(resp, a, bias, True, w)
+    grad = torch.randn(h // 2, w // 2, m, cout)
+    _, want = _pooled_mix_grads(resp, grad, code, w, None, torch.float32)
+    got = native.pooled_mix_grad(resp, grad, code, w)
+    assert got.shape == (cout, kk)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    clamped = torch.full_like(code, 4)
+    assert not native.pooled_mix_grad(resp, grad, clamped, w).any()
+    with pytest.raises(ValueError, match="float32"):
+        native.pooled_mix_grad(resp.double(), grad, code, w)
+
+
+def test_a_training_step_through_the_lifting_kernels_gives_the_torch_gradients(monkeypatch):
+    """A model's training step (float32, CPU): the lifting layer's forward and coefficient
+    gradient run through the kernels, and every parameter's gradient is the torch path's to
+    round-off."""
+    from rstmodel import create_model
+    from rstmodel.layers import kernels
+
+    torch.manual_seed(0)
+    model = create_model("rst_cnn_fb", channels=(20, 6, 8)).train()
+    x, y = torch.randn(4, 1, 56, 56), torch.randint(0, 10, (4,))
+    calls = []
+    real = native.pooled_mix_grad
+    monkeypatch.setattr(native, "pooled_mix_grad", lambda *a: calls.append(1) or real(*a))
+
+    def grads():
+        model.zero_grad()
+        torch.manual_seed(1)  # the same dropout mask
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    fast = grads()
+    assert calls
+    model.load_state_dict(state)  # the batch norms' running statistics as before
+    monkeypatch.setattr(kernels.native, "pooled_mix_train_available", lambda *_: False)
+    plain = grads()
+    for name, g in plain.items():
+        torch.testing.assert_close(fast[name], g, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_pooled_mix_says_what_it_cannot_take():
     resp = torch.randn(4, 6 * 2, 12)
     with pytest.raises(ValueError, match="do not fit 5 columns"):

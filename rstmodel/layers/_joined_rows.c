@@ -215,6 +215,7 @@ typedef struct {
   const float *bias;
   void *out;
   long h, w, m, kk, cout, sets, relu;
+  unsigned char *code; /* float32 with a gradient to come: the window position that won */
 } mjob_t;
 
 static inline __attribute__((always_inline)) v16 pool4(v16 a, v16 b, v16 c, v16 d, v16 bias,
@@ -227,8 +228,9 @@ static inline __attribute__((always_inline)) v16 pool4(v16 a, v16 b, v16 c, v16 
 /* float32: tiles [t0, t0 + g) of one window and branch; p[q] the q-th pixel's responses */
 static inline __attribute__((always_inline)) void mix_f32(const float *const p[4],
                                                           const float *wt, const float *bias,
-                                                          float *o, long kk, long cout, long t0,
-                                                          long relu, const long g) {
+                                                          float *o, unsigned char *code, long kk,
+                                                          long cout, long t0, long relu,
+                                                          const long g) {
   v16 acc[4][TGROUP];
   for (long q = 0; q < 4; ++q)
     for (long t = 0; t < g; ++t) acc[q][t] = (v16){0};
@@ -242,9 +244,24 @@ static inline __attribute__((always_inline)) void mix_f32(const float *const p[4
   }
   for (long t = 0; t < g; ++t) {
     const long c0 = (t0 + t) * LANES, width = cout - c0 < LANES ? cout - c0 : LANES;
-    const v16 y = pool4(acc[0][t], acc[1][t], acc[2][t], acc[3][t],
-                        *(const v16u *)(bias + c0), relu);
+    const v16 bv = *(const v16u *)(bias + c0);
+    const v16 y = pool4(acc[0][t], acc[1][t], acc[2][t], acc[3][t], bv, relu);
     _mm512_mask_storeu_ps(o + c0, (__mmask16)((1u << width) - 1), (__m512)y);
+    if (code) { /* kernels._pool_quads' code: scan order, the first of equal values wins */
+      const __m512 a0 = (__m512)acc[0][t], a1 = (__m512)acc[1][t];
+      const __m512 a2 = (__m512)acc[2][t], a3 = (__m512)acc[3][t];
+      const __m512 top = _mm512_max_ps(a0, a1), low = _mm512_max_ps(a2, a3);
+      const __mmask16 below = _mm512_cmp_ps_mask(low, top, _CMP_GT_OQ);
+      const __mmask16 right = (_mm512_cmp_ps_mask(a3, a2, _CMP_GT_OQ) & below) |
+                              (_mm512_cmp_ps_mask(a1, a0, _CMP_GT_OQ) & ~below);
+      __m512i c = _mm512_or_si512(_mm512_maskz_set1_epi32(below, 2),
+                                  _mm512_maskz_set1_epi32(right, 1));
+      if (relu) { /* clamped by the ReLU: no gradient */
+        const __m512 mx = _mm512_add_ps(_mm512_max_ps(top, low), (__m512)bv);
+        c = _mm512_mask_set1_epi32(c, _mm512_cmp_ps_mask(mx, _mm512_setzero_ps(), _CMP_LE_OQ), 4);
+      }
+      _mm_mask_storeu_epi8(code + c0, (__mmask16)((1u << width) - 1), _mm512_cvtepi32_epi8(c));
+    }
   }
 }
 
@@ -260,28 +277,71 @@ static void mix_f32_rows(const mjob_t *j, long u0, long u1) {
                                resp + (((y + 1) * j->w + x) * mr + ri) * kk,
                                resp + (((y + 1) * j->w + x + 1) * mr + ri) * kk};
     float *o = (float *)j->out + u * cout;
+    unsigned char *code = j->code ? j->code + u * cout : NULL;
     long t0 = 0;
     for (; t0 + TGROUP <= tiles; t0 += TGROUP)
-      mix_f32(p, wt, j->bias, o, kk, cout, t0, j->relu, TGROUP);
+      mix_f32(p, wt, j->bias, o, code, kk, cout, t0, j->relu, TGROUP);
     switch (tiles - t0) {
-    case 4: mix_f32(p, wt, j->bias, o, kk, cout, t0, j->relu, 4); break;
-    case 3: mix_f32(p, wt, j->bias, o, kk, cout, t0, j->relu, 3); break;
-    case 2: mix_f32(p, wt, j->bias, o, kk, cout, t0, j->relu, 2); break;
-    case 1: mix_f32(p, wt, j->bias, o, kk, cout, t0, j->relu, 1); break;
+    case 4: mix_f32(p, wt, j->bias, o, code, kk, cout, t0, j->relu, 4); break;
+    case 3: mix_f32(p, wt, j->bias, o, code, kk, cout, t0, j->relu, 3); break;
+    case 2: mix_f32(p, wt, j->bias, o, code, kk, cout, t0, j->relu, 2); break;
+    case 1: mix_f32(p, wt, j->bias, o, code, kk, cout, t0, j->relu, 1); break;
     }
   }
 }
 
-int pooled_mix_f32(const float *resp, const float *wt, const float *bias, float *out, long h,
-                   long w, long m, long kk, long cout, long sets, long relu, long threads) {
+int pooled_mix_f32(const float *resp, const float *wt, const float *bias, float *out,
+                   unsigned char *code, long h, long w, long m, long kk, long cout, long sets,
+                   long relu, long threads) {
   if (h < 2 || w < 2 || m < 1 || kk < 1 || cout < 1 || sets < 1 || m % sets || threads < 1)
     return 1;
-  const mjob_t job = {resp, wt, bias, out, h, w, m, kk, cout, sets, relu};
+  const mjob_t job = {resp, wt, bias, out, h, w, m, kk, cout, sets, relu, code};
   const long units = (h / 2) * (w / 2) * m;
   const long chunk = chunk_size(units, threads);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
   for (long c = 0; c < (units + chunk - 1) / chunk; ++c)
     mix_f32_rows(&job, c * chunk, c * chunk + chunk < units ? c * chunk + chunk : units);
+  return 0;
+}
+
+/* The coefficients' gradient of the pooled mixing (float32, training): for each output
+ * (window, branch m, channel c) with code q < 4, grad[.., c] times the responses of the
+ * window's pixel q, summed into partial[thread][tile][k][16] (channel 16 tile + lane; the
+ * caller zeroes it and adds the threads' parts): ``kernels._pooled_mix_grads``' grad_a
+ * without the full-resolution gradient map. Code 4 (clamped by the ReLU) adds nothing. */
+int pooled_mix_grad_f32(const float *resp, const float *grad, const unsigned char *code,
+                        float *partial, long h, long w, long m, long kk, long cout,
+                        long threads) {
+  if (h < 2 || w < 2 || m < 1 || kk < 1 || cout < 1 || threads < 1) return 1;
+  const long tiles = (cout + LANES - 1) / LANES, half = w / 2;
+  const long units = (h / 2) * half * m, chunk = chunk_size(units, threads);
+#pragma omp parallel num_threads(threads)
+  {
+    float *acc = partial + (long)omp_get_thread_num() * tiles * kk * LANES;
+#pragma omp for schedule(dynamic, chunk)
+    for (long u = 0; u < units; ++u) {
+      const long mi = u % m, win = u / m, y = 2 * (win / half), x = 2 * (win % half);
+      const float *const p[4] = {resp + ((y * w + x) * m + mi) * kk,
+                                 resp + ((y * w + x + 1) * m + mi) * kk,
+                                 resp + (((y + 1) * w + x) * m + mi) * kk,
+                                 resp + (((y + 1) * w + x + 1) * m + mi) * kk};
+      for (long t = 0; t < tiles; ++t) {
+        const long c0 = t * LANES, width = cout - c0 < LANES ? cout - c0 : LANES;
+        const __mmask16 mask = (__mmask16)((1u << width) - 1);
+        const __m512 g = _mm512_maskz_loadu_ps(mask, grad + u * cout + c0);
+        const __m512i c = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, code + u * cout + c0));
+        __m512 gq[4];
+        for (long q = 0; q < 4; ++q)
+          gq[q] = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(c, _mm512_set1_epi32(q)), g);
+        float *a = acc + t * kk * LANES;
+        for (long k = 0; k < kk; ++k) {
+          __m512 v = _mm512_loadu_ps(a + k * LANES);
+          for (long q = 0; q < 4; ++q) v = _mm512_fmadd_ps(gq[q], _mm512_set1_ps(p[q][k]), v);
+          _mm512_storeu_ps(a + k * LANES, v);
+        }
+      }
+    }
+  }
   return 0;
 }
 
@@ -345,7 +405,7 @@ int pooled_mix_bf16(const int *resp, const int *wt, const float *bias, unsigned 
   if (h < 2 || w < 2 || m < 1 || kk < 2 || kk % 2 || cout < 1 || sets < 1 || m % sets ||
       threads < 1)
     return 1;
-  const mjob_t job = {resp, wt, bias, out, h, w, m, kk, cout, sets, relu};
+  const mjob_t job = {resp, wt, bias, out, h, w, m, kk, cout, sets, relu, NULL};
   const long units = (h / 2) * (w / 2) * m;
   const long chunk = chunk_size(units, threads);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)

@@ -22,13 +22,18 @@ class _PooledMix(torch.autograd.Function):
     time (``MIX_CHUNK_ROWS``): neither the full-resolution map nor its gradient is ever
     stored, only the pooled map and a one-byte argmax (4: clamped by the ReLU). Returns
     ``[H/2, W/2, M, Cout]``.
-    (``triton_ops.pooled_mix`` is the same operator in one CUDA kernel each way.)"""
+    (``triton_ops.pooled_mix`` is the same operator in one CUDA kernel each way; on the CPU
+    in float32 ``native.pooled_mix_train`` / ``native.pooled_mix_grad`` are the forward and
+    the coefficients' gradient in one compiled pass each.)"""
 
     @staticmethod
     def forward(ctx, resp: Tensor, a: Tensor, bias: Tensor | None, relu: bool, w: int):
         keep = any(ctx.needs_input_grad[:3])
         ctx.dtypes = a.dtype, None if bias is None else bias.dtype
-        out, idx = _pooled_mix_rows(resp, a, bias, relu, w, keep)
+        if keep and native.pooled_mix_train_available(resp, a):  # compiled, CPU float32
+            out, idx = native.pooled_mix_train(resp, a, bias, relu, w)
+        else:
+            out, idx = _pooled_mix_rows(resp, a, bias, relu, w, keep)
         if keep:
             ctx.save_for_backward(resp, a.to(resp.dtype), idx)
             ctx.w, ctx.has_bias = w, bias is not None
@@ -39,9 +44,14 @@ class _PooledMix(torch.autograd.Function):
         resp, a, idx = ctx.saved_tensors
         need_resp, need_a, need_bias = ctx.needs_input_grad[:3]
         a_dtype, bias_dtype = ctx.dtypes
-        grad_resp, grad_a = _pooled_mix_grads(
-            resp, grad, idx, ctx.w, a if need_resp else None, a_dtype if need_a else None
-        )
+        if need_a and not need_resp and native.pooled_mix_train_available(resp, a):
+            # compiled: each output's gradient times its winning pixel's responses
+            grad_resp, grad_a = None, native.pooled_mix_grad(resp, grad.float(), idx, ctx.w)
+            grad_a = grad_a.to(a_dtype)
+        else:
+            grad_resp, grad_a = _pooled_mix_grads(
+                resp, grad, idx, ctx.w, a if need_resp else None, a_dtype if need_a else None
+            )
         grad_bias = _pooled_bias_grad(grad, idx, bias_dtype) if need_bias and ctx.has_bias else None
         return grad_resp, grad_a, grad_bias, None, None
 

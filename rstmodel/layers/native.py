@@ -31,7 +31,12 @@ GEMM of inner size 12 ran at ~12 G multiply-adds/s in torch, chunked and pooled 
 float32 gives the torch path's values (the same sums in the same order), bfloat16 rounds
 each pooled value once. Where the basis is steerable (``basis.steering``, the FB basis) it
 takes one set of weights per rotation over the responses to the upright copies only, so the
-lifting layer convolves an R-th of the copies (``LiftingRSTConv.forward_pooled``). ``small_gemm``: the DFTs' GEMMs in bfloat16, a DFT matrix of a few
+lifting layer convolves an R-th of the copies (``LiftingRSTConv.forward_pooled``). In
+float32 training the same pass also writes the one-byte window position that won each output
+(``pooled_mix_train``), and ``pooled_mix_grad`` sums the coefficients' gradient from it and
+the responses of the winning pixels, where the torch form unpools a full-resolution gradient
+map and multiplies it by the responses (``kernels._PooledMix``; the training step 0.81-0.87x
+at batch 64, BENCHMARKS.md, "Issue 13, sixteenth session"). ``small_gemm``: the DFTs' GEMMs in bfloat16, a DFT matrix of a few
 dozen rows and columns kept in L1 times maps with millions of columns, B's rows paired for
 the dot-product instruction by a word permute per panel of 32 columns (1.2-3.3x the library
 GEMM at the FFT path's shapes; it serves the DFTs' forward passes, in training too).
@@ -88,6 +93,9 @@ __all__ = [
     "paired_rows_product",
     "pooled_mix_available",
     "pooled_mix",
+    "pooled_mix_train_available",
+    "pooled_mix_train",
+    "pooled_mix_grad",
     "small_gemm_available",
     "small_gemm",
     "small_gemm_gather_available",
@@ -163,7 +171,9 @@ def _library() -> ctypes.CDLL | None:
     fn = lib.joined_rows_product
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5
     fn.restype = ctypes.c_int
-    lib.pooled_mix_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 8
+    lib.pooled_mix_f32.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 8
+    lib.pooled_mix_grad_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 6
+    lib.pooled_mix_grad_f32.restype = ctypes.c_int
     lib.pooled_mix_f32.restype = ctypes.c_int
     if hasattr(lib, "paired_rows_product"):  # built where the CPU has AVX512-BF16
         fn = lib.paired_rows_product
@@ -341,10 +351,79 @@ def pooled_mix(resp: Tensor, a: Tensor, bias: Tensor | None, relu: bool, w: int)
         raise ValueError(f"float32, or bfloat16 with an even KK, not {resp.dtype} with {kk}")
     wt = wt.contiguous()
     threads = max(1, torch.get_num_threads())
-    args = (resp.data_ptr(), wt.data_ptr(), padded.data_ptr(), out.data_ptr(), h, w)
-    if fn(*args, sets * m, kk, cout, sets, int(relu), threads):
+    args = (resp.data_ptr(), wt.data_ptr(), padded.data_ptr(), out.data_ptr())
+    if resp.dtype == torch.float32:
+        args += (0,)  # no argmax (pooled_mix_train)
+    if fn(*args, h, w, sets * m, kk, cout, sets, int(relu), threads):
         raise ValueError(f"no 2x2 window in {h} x {w}")
     return out
+
+
+def pooled_mix_train_available(resp: Tensor, a: Tensor) -> bool:
+    """Whether ``pooled_mix_train`` and ``pooled_mix_grad`` serve the training forward and
+    the coefficients' gradient of ``kernels._PooledMix``: float32 on the CPU, the kernels
+    built here."""
+    lib = _library() if resp.device.type == a.device.type == "cpu" else None
+    return lib is not None and resp.dtype == a.dtype == torch.float32 and a.dim() == 2
+
+
+def pooled_mix_train(
+    resp: Tensor, a: Tensor, bias: Tensor | None, relu: bool, w: int
+) -> tuple[Tensor, Tensor]:
+    """``kernels._pooled_mix_rows(resp, a, bias, relu, w, argmax=True)`` in one pass,
+    float32: the pooled map ``[H/2, W/2, M, Cout]`` (the same sums in the same order) and
+    the one-byte window position that won each output (``kernels._pool_quads``' code, 4
+    where the ReLU clamps)."""
+    if not pooled_mix_train_available(resp, a):
+        raise ValueError(f"float32 on the CPU only, not {resp.dtype} / {a.dtype}")
+    h, wm, kk = resp.shape
+    m, cout = wm // w, a.shape[0]
+    if h % 2 or w % 2 or wm != w * m or a.shape[1] != kk:
+        raise ValueError(f"responses {tuple(resp.shape)} do not fit {w} columns and {kk} inputs")
+    tiles = -(-cout // TILE)
+    padded = torch.zeros(tiles * TILE, dtype=torch.float32)
+    if bias is not None:
+        padded[:cout] = bias.detach().float()
+    wt = torch.zeros(tiles * TILE, kk, dtype=torch.float32)
+    wt[:cout] = a.detach()
+    wt = wt.view(tiles, TILE, kk).transpose(1, 2).contiguous()
+    resp = resp.detach().contiguous()
+    out = resp.new_empty(h // 2, w // 2, m, cout)
+    code = torch.empty(out.shape, dtype=torch.uint8)
+    threads = max(1, torch.get_num_threads())
+    args = (resp.data_ptr(), wt.data_ptr(), padded.data_ptr(), out.data_ptr(), code.data_ptr())
+    if _library().pooled_mix_f32(*args, h, w, m, kk, cout, 1, int(relu), threads):
+        raise ValueError(f"no 2x2 window in {h} x {w}")
+    return out, code
+
+
+def pooled_mix_grad(resp: Tensor, grad: Tensor, code: Tensor, w: int) -> Tensor:
+    """The coefficients' gradient ``[Cout, KK]`` (float32) of ``pooled_mix_train``'s map from
+    its gradient ``grad`` ``[H/2, W/2, M, Cout]`` and ``code``: each pooled output's gradient
+    times the responses of the pixel that won it, summed (``kernels._pooled_mix_grads``'
+    grad_a, without the full-resolution gradient map)."""
+    h, wm, kk = resp.shape
+    m, cout = wm // w, grad.shape[-1]
+    if (
+        resp.dtype != torch.float32
+        or grad.dtype != torch.float32
+        or code.dtype != torch.uint8
+        or grad.shape != (h // 2, w // 2, m, cout)
+        or code.shape != grad.shape
+    ):
+        raise ValueError(
+            f"float32 responses {tuple(resp.shape)} and a float32 gradient and byte code "
+            f"[{h // 2}, {w // 2}, {m}, Cout] only"
+        )
+    tiles = -(-cout // TILE)
+    threads = max(1, torch.get_num_threads())
+    partial = torch.zeros(threads, tiles, kk, TILE, dtype=torch.float32)
+    resp, grad, code = resp.contiguous(), grad.contiguous(), code.contiguous()
+    args = (resp.data_ptr(), grad.data_ptr(), code.data_ptr(), partial.data_ptr())
+    if _library().pooled_mix_grad_f32(*args, h, w, m, kk, cout, threads):
+        raise ValueError(f"no 2x2 window in {h} x {w}")
+    # [tiles, K, 16] -> [Cout, K]
+    return partial.sum(0).transpose(1, 2).reshape(tiles * TILE, kk)[:cout].contiguous()
 
 
 SMALL_GEMM_MAX_K = 512  # the kernel's buffer of paired rows (KMAX)
