@@ -80,6 +80,14 @@ class _BasisConv(nn.Module):
         self._spectra.clear()
         return out
 
+    def _wants_grad(self, x: Tensor | None = None) -> bool:
+        """Whether a call now records a gradient: grad mode on and ``x`` or a parameter
+        requiring one (the fused and compiled eval paths keep none)."""
+        wanted = (x is not None and x.requires_grad) or any(
+            p.requires_grad for p in self.parameters()
+        )
+        return torch.is_grad_enabled() and wanted
+
     def _cached(self, name: str, build):
         """``build()`` in training; in eval, reuse until the parameters change. The key
         holds the version counter (optimiser steps, in-place ops) and a copy of the
@@ -329,10 +337,9 @@ class LiftingRSTConv(_BasisConv):
         """``a M_r`` for every rotation r, ``[R, Cout, Cin*K]`` (``forward_pooled``), where
         the basis is steerable and the compiled kernel may serve (CPU, no gradient); else
         None."""
-        wanted = any(p.requires_grad for p in self.parameters())
         if (
             self.weight.device.type != "cpu"
-            or (torch.is_grad_enabled() and wanted)
+            or self._wants_grad()
             or not native.pooled_mix_available(self.weight[:0])
         ):
             return None
@@ -619,10 +626,9 @@ class GroupRSTConv(_BasisConv):
     def pools_fused(self, x: Tensor) -> bool:
         """Whether ``forward_pooled`` applies to ``x``: the call takes the FFT path, no
         gradient is wanted (the fused pool keeps no argmax) and the maps have even sides."""
-        wanted = x.requires_grad or any(p.requires_grad for p in self.parameters())
         h, w = x.shape[-2:]
         return (
-            not (torch.is_grad_enabled() and wanted)
+            not self._wants_grad(x)
             and h % 2 == 0
             and w % 2 == 0
             and self.resolve_method(x) is ConvMethod.FFT
@@ -663,11 +669,10 @@ class GroupRSTConv(_BasisConv):
         # each block's rows (h, w, p, s, q), map r = q R/4 + p turned back q quarter turns
         bounds = (*(first for first, *_ in blocks), nsc)
         rows = _fft_rows(h, w, rot, quarters, bounds, x.device)
-        wanted = x.requires_grad or any(p.requires_grad for p in self.parameters())
         out = targets = None
         if rows is None:
             parts = [(xs, None)]
-        elif torch.is_grad_enabled() and wanted:
+        elif self._wants_grad(x):
             parts = [(part, None) for part in _GatherRows.apply(xs, *rows)]
         else:  # no gradient: each block's DFT reads its rows where they lie (real_dft2_rows)
             xs = xs.to(_compute_dtype(xs))

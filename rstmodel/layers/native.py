@@ -329,6 +329,13 @@ def pooled_mix(resp: Tensor, a: Tensor, bias: Tensor | None, relu: bool, w: int)
     ``a`` ``[R, Cout, KK]`` (a steerable basis: ``LiftingRSTConv.forward_pooled``): the
     responses hold M maps per pixel and the output R M, map ``r M + m`` being map m mixed
     by ``a[r]``: ``[H/2, W/2, R*M, Cout]``."""
+    return _pooled_mix(resp, a, bias, relu, w, argmax=False)[0]
+
+
+def _pooled_mix(
+    resp: Tensor, a: Tensor, bias: Tensor | None, relu: bool, w: int, argmax: bool
+) -> tuple[Tensor, Tensor | None]:
+    """``pooled_mix``, and with ``argmax`` (float32) the window codes (``pooled_mix_train``)."""
     h, wm, kk = resp.shape
     sets = 1 if a.dim() == 2 else a.shape[0]
     m, cout = wm // w, a.shape[-2]
@@ -341,7 +348,8 @@ def pooled_mix(resp: Tensor, a: Tensor, bias: Tensor | None, relu: bool, w: int)
     wt = torch.zeros(sets, tiles * TILE, kk, dtype=resp.dtype)
     wt[:, :cout] = a.detach().view(sets, cout, kk)
     out = resp.new_empty(h // 2, w // 2, sets * m, cout)
-    resp = resp.contiguous()
+    code = torch.empty(out.shape, dtype=torch.uint8) if argmax else None
+    resp = resp.detach().contiguous()
     if resp.dtype == torch.float32:
         fn, wt = _library().pooled_mix_f32, wt.view(sets, tiles, TILE, kk).transpose(2, 3)
     elif resp.dtype == torch.bfloat16 and kk % 2 == 0:
@@ -353,10 +361,12 @@ def pooled_mix(resp: Tensor, a: Tensor, bias: Tensor | None, relu: bool, w: int)
     threads = max(1, torch.get_num_threads())
     args = (resp.data_ptr(), wt.data_ptr(), padded.data_ptr(), out.data_ptr())
     if resp.dtype == torch.float32:
-        args += (0,)  # no argmax (pooled_mix_train)
+        args += (0 if code is None else code.data_ptr(),)
+    elif code is not None:
+        raise ValueError(f"the window codes in float32 only, not {resp.dtype}")
     if fn(*args, h, w, sets * m, kk, cout, sets, int(relu), threads):
         raise ValueError(f"no 2x2 window in {h} x {w}")
-    return out
+    return out, code
 
 
 def pooled_mix_train_available(resp: Tensor, a: Tensor) -> bool:
@@ -376,25 +386,7 @@ def pooled_mix_train(
     where the ReLU clamps)."""
     if not pooled_mix_train_available(resp, a):
         raise ValueError(f"float32 on the CPU only, not {resp.dtype} / {a.dtype}")
-    h, wm, kk = resp.shape
-    m, cout = wm // w, a.shape[0]
-    if h % 2 or w % 2 or wm != w * m or a.shape[1] != kk:
-        raise ValueError(f"responses {tuple(resp.shape)} do not fit {w} columns and {kk} inputs")
-    tiles = -(-cout // TILE)
-    padded = torch.zeros(tiles * TILE, dtype=torch.float32)
-    if bias is not None:
-        padded[:cout] = bias.detach().float()
-    wt = torch.zeros(tiles * TILE, kk, dtype=torch.float32)
-    wt[:cout] = a.detach()
-    wt = wt.view(tiles, TILE, kk).transpose(1, 2).contiguous()
-    resp = resp.detach().contiguous()
-    out = resp.new_empty(h // 2, w // 2, m, cout)
-    code = torch.empty(out.shape, dtype=torch.uint8)
-    threads = max(1, torch.get_num_threads())
-    args = (resp.data_ptr(), wt.data_ptr(), padded.data_ptr(), out.data_ptr(), code.data_ptr())
-    if _library().pooled_mix_f32(*args, h, w, m, kk, cout, 1, int(relu), threads):
-        raise ValueError(f"no 2x2 window in {h} x {w}")
-    return out, code
+    return _pooled_mix(resp, a, bias, relu, w, argmax=True)
 
 
 def pooled_mix_grad(resp: Tensor, grad: Tensor, code: Tensor, w: int) -> Tensor:
