@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,3 +122,22 @@ def test_export_bench_times_each_form_and_checks_it_against_eager(capsys):
         # float32 forms agree to round-off; bfloat16 to its 8-bit mantissa
         assert diff < (0.5 if form == "eager_bf16" else 1e-4), (form, diff)
     assert "| cnn: eager / onnx |" in out
+
+
+def test_floor_bench_products_read_the_spectra_each_layout_needs():
+    from rstcnn.export.floor_bench import KERNELS, PRODUCT_LAYOUTS, R, fft_layer, measure_products
+
+    rows = measure_products(repeats=1, layers={"tiny": (3, 5, 8)})
+    assert [layout for _, layout, *_ in rows] == list(PRODUCT_LAYOUTS)
+    nh, nw = fft_layer(2, 2)._grid(8, 8)
+    freqs = nh * (nw // 2 + 1) * (R // 4) * len(KERNELS)
+    megabytes = {layout: mb for _, layout, f, mb, _ in rows if f == freqs}
+    complex_pairs = freqs * 3 * 5 * 4 / 1e6  # float32 bytes of one real set
+    assert megabytes == pytest.approx(
+        {
+            PRODUCT_LAYOUTS[0]: 3 * complex_pairs,
+            PRODUCT_LAYOUTS[1]: 2 * complex_pairs,
+            PRODUCT_LAYOUTS[2]: 2 * complex_pairs / 4,
+        }
+    )
+    assert all(ms > 0 for *_, ms in rows)

@@ -16,7 +16,13 @@ exported to ONNX, at batch 1 and 8, beside the basis form's total for the same l
 filter spectra are a MatMul of two constants in the graph (folded by onnxruntime at load), so
 the file stays small.
 
-    python -m export.floor_bench [--repeats 5] [--no-fft]
+``--products`` times what bounds the FFT form at batch 1: each layer's per-frequency products
+alone (one MatMul batched over the frequencies of the R/4 base rotations and S scales, the 4
+quarter-turned copies of the image as its rows), in the layouts a graph can give them, beside
+the machine's memory copy rate. Every weight there is read once per image, so at batch 1 these
+products are bound by reading the filter spectra, not by their multiply-adds.
+
+    python -m export.floor_bench [--repeats 5] [--no-fft] [--products]
 """
 
 from __future__ import annotations
@@ -36,13 +42,19 @@ KERNELS = (5, 7, 11, 15)
 LAYERS = {"layer 2": (69, 135, 28), "layer 3": (135, 204, 14)}  # Cin, Cout, map side
 
 
-def _graph(node: onnx.NodeProto, x: np.ndarray, inits: list[onnx.TensorProto]) -> bytes:
+def _graph(
+    node: onnx.NodeProto | list[onnx.NodeProto],
+    x: np.ndarray,
+    inits: list[onnx.TensorProto],
+    outputs: Sequence[str] = ("y",),
+    out_kind: int | None = None,
+) -> bytes:
     kind = TensorProto.UINT8 if x.dtype == np.uint8 else TensorProto.FLOAT
     graph = helper.make_graph(
-        [node],
+        node if isinstance(node, list) else [node],
         "op",
         [helper.make_tensor_value_info("x", kind, x.shape)],
-        [helper.make_tensor_value_info("y", kind, None)],
+        [helper.make_tensor_value_info(n, out_kind or kind, None) for n in outputs],
         inits,
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
@@ -213,11 +225,77 @@ def measure_fft(repeats: int = 5, batches: Sequence[int] = (1, 8)) -> list[tuple
     return rows
 
 
+PRODUCT_LAYOUTS = (
+    "float32, three real products (as FFTForm)",
+    "float32, real and imaginary rows",
+    "int8, real and imaginary rows",
+)
+
+
+def copy_rate(megabytes: int = 256, repeats: int = 5) -> float:
+    """This machine's memory copy rate in GB/s (bytes read plus bytes written)."""
+    a = np.ones(megabytes << 18, np.float32)
+    b = np.empty_like(a)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.copyto(b, a)
+        times.append(time.perf_counter() - start)
+    return 2 * a.nbytes / min(times) / 1e9
+
+
+def measure_products(repeats: int = 5, layers: dict | None = None) -> list[tuple]:
+    """Rows (layer, layout, frequencies, weight MB, ms) for each layer's per-frequency
+    products at batch 1, in each of ``PRODUCT_LAYOUTS``.
+
+    The products take a [4, Cin] complex block (the image's quarter turns) to [4, Cout] at
+    each frequency of the R/4 base rotations and S scales. As FFTForm writes them (three real
+    GEMMs, one multiplication saved per complex product) they read three real weight sets;
+    with the real and imaginary parts of the block as 8 rows against [Re W | Im W] they read
+    two; int8 (MatMulInteger, uint8 rows) reads the two at a quarter of the bytes."""
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, (cin, cout, side) in (layers or LAYERS).items():
+        nh, nw = fft_layer(2, 2)._grid(side, side)
+        freqs = nh * (nw // 2 + 1) * (R // 4) * len(KERNELS)
+        for layout in PRODUCT_LAYOUTS:
+            int8 = layout.startswith("int8")
+            sets = 3 if "three" in layout else 1
+            m, n = (4, cout) if sets == 3 else (8, 2 * cout)
+            if int8:
+                x = rng.integers(0, 256, (freqs, m, cin), dtype=np.uint8)
+                ws = [rng.integers(-127, 128, (freqs, cin, n), dtype=np.int8)]
+                op, out_kind = "MatMulInteger", TensorProto.INT32
+            else:
+                x = rng.standard_normal((freqs, m, cin)).astype(np.float32)
+                ws = [rng.standard_normal((freqs, cin, n)).astype(np.float32) for _ in range(sets)]
+                op, out_kind = "MatMul", TensorProto.FLOAT
+            nodes = [helper.make_node(op, ["x", f"w{i}"], [f"y{i}"]) for i in range(len(ws))]
+            inits = [numpy_helper.from_array(w, f"w{i}") for i, w in enumerate(ws)]
+            outs = [f"y{i}" for i in range(len(ws))]
+            model = _graph(nodes, x, inits, outs, out_kind)
+            mb = sum(w.nbytes for w in ws) / 1e6
+            rows.append((name, layout, freqs, mb, 1e3 * _seconds(model, x, repeats)))
+    return rows
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m export.floor_bench", description=__doc__)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-fft", action="store_true", help="skip the FFT form")
+    parser.add_argument(
+        "--products",
+        action="store_true",
+        help="only the FFT form's per-frequency products at batch 1, and the copy rate",
+    )
     args = parser.parse_args(argv)
+    if args.products:
+        print(f"memory copy rate (read + write): {copy_rate():.1f} GB/s")
+        print("| layer | products layout | frequencies | weights MB | ms | weights GB/s |")
+        print("|---|---|---|---|---|---|")
+        for layer, layout, freqs, mb, ms in measure_products(args.repeats):
+            print(f"| {layer} | {layout} | {freqs} | {mb:.0f} | {ms:.1f} | {mb / ms:.1f} |")
+        return 0
     rows = measure(args.repeats)
     print(
         "| layer | op (all 32 branches) | G multiply-adds | float32 ms | G/s | int8 ms | G/s | int8 speed-up |"
