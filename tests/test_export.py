@@ -850,6 +850,41 @@ def test_eager_bf16_is_served_only_with_its_own_passing_check(rst_export, tmp_pa
     assert Classifier.from_checkpoint(checkpoint).metadata["rstcnn.precision"] == "fp32"
 
 
+@pytest.mark.skipif(
+    not __import__("rstmodel.precision").precision.int8_supported(), reason="no int8 products here"
+)
+def test_eager_int8_is_served_with_its_own_check_and_first_when_both_pass(rst_export, tmp_path):
+    """The int8 products' check is a file of its own (``model.int8-gate.json``); with both
+    checks passing "auto" serves int8, whose logits stay near float32's."""
+    import shutil
+
+    from rstcnn.export.onnx_export import file_sha256
+    from rstcnn.serve.classifier import Classifier
+    from rstcnn.serve.eager import gate_path, write_gate
+    from rstcnn.serve.variants import servable
+
+    checkpoint = tmp_path / "model.pt"
+    shutil.copy(rst_export[3], checkpoint)
+    digest = file_sha256(checkpoint)
+    record = {"passes": True, "images": 64, "drop_points": 0.0, "limit_points": 0.5}
+    write_gate(checkpoint, digest, record)  # bf16 alone: auto serves bf16
+    assert Classifier.from_checkpoint(checkpoint).metadata["rstcnn.precision"] == "bf16"
+    quant = Classifier.from_checkpoint(checkpoint, "int8")
+    assert servable(quant) == (False, "int8 without an accuracy check (export it with --check N)")
+    assert write_gate(checkpoint, digest, record, "int8") == gate_path(checkpoint, "int8")
+    assert gate_path(checkpoint, "int8").name == "model.int8-gate.json"
+    auto = Classifier.from_checkpoint(checkpoint)
+    assert auto.metadata["rstcnn.precision"] == "int8" and servable(auto)[0]
+    exact = Classifier.from_checkpoint(checkpoint, "fp32")
+    x = np.random.default_rng(0).standard_normal((3, 1, 56, 56)).astype(np.float32)
+    want, got = exact.run_logits(x), auto.run_logits(x)
+    assert np.abs(got - want).max() < 0.05 * np.abs(want).max() and not np.array_equal(got, want)
+    write_gate(checkpoint, digest, {**record, "passes": False}, "int8")  # failing: bf16 again
+    assert Classifier.from_checkpoint(checkpoint).metadata["rstcnn.precision"] == "bf16"
+    with pytest.raises(ValueError, match="no accuracy check for precision 'fp32'"):
+        gate_path(checkpoint, "fp32")
+
+
 def test_eager_engine_names_a_bad_checkpoint(tmp_path):
     from rstcnn.serve.classifier import Classifier
 
@@ -860,7 +895,7 @@ def test_eager_engine_names_a_bad_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="bad.pt"):
         Classifier.from_checkpoint(bad)
     with pytest.raises(ValueError, match="precision must be one of"):
-        Classifier.from_checkpoint(bad, "int8")
+        Classifier.from_checkpoint(bad, "fp16")
 
 
 def test_app_serves_a_checkpoint_beside_its_exported_file(rst_export):

@@ -206,6 +206,109 @@ def test_the_fft_path_takes_the_paired_kernel_in_bfloat16_eval(monkeypatch, batc
         assert not native.paired_available(rows, rows)
 
 
+quads = pytest.mark.skipif(
+    not native.quad_rows_built(), reason="no AVX512-BF16 and AVX512-VNNI on this machine"
+)
+
+
+@quads
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 21])
+@pytest.mark.parametrize(("k", "n"), [(9, 16), (16, 37), (33, 20), (69, 135)])
+def test_int8_product_is_its_reference_exactly(rows, k, n):
+    """Row counts at and around the groups of eight, odd and even input widths (a lane's
+    second input column past K), widths past whole tiles, a row of zeros and the bias: the
+    kernel's bfloat16 outputs are ``quad_rows_reference``'s bit for bit (the integer sums
+    are exact, the scalings the same float32 steps)."""
+    torch.manual_seed(rows * k + n)
+    f = 5
+    x_re, x_im = (torch.randn(2, f, rows, k) * torch.rand(f, rows, 1) * 10).unbind(0)
+    x_re[0, 0], x_im[0, 0] = 0, 0
+    g_re, g_im = torch.randn(2, f, k, n).unbind(0)
+    bias = torch.randn(n)
+    got = native.quad_rows_product(x_re, x_im, native.pack_quads(g_re, g_im), n, bias, 2, 1.5)
+    want = native.quad_rows_reference(x_re, x_im, g_re, g_im, bias, 2, 1.5)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, f, rows, n)
+    assert torch.equal(got, want)
+    assert torch.equal(got[:, 0, 0, :], want[:, 0, 0, :]) and not got[1, 0, 0].any()
+
+
+def test_int8_reference_is_close_to_the_complex_product():
+    """The reference itself: 8-bit rows and spectra, each scaled by its largest part, give
+    the complex product to about 1 % of its largest value at these widths."""
+    torch.manual_seed(0)
+    f, m, k, n = 7, 6, 69, 40
+    x_re, x_im = torch.randn(2, f, m, k).unbind(0)
+    g_re, g_im = torch.randn(2, f, k, n).unbind(0)
+    got = native.quad_rows_reference(x_re, x_im, g_re, g_im).double()
+    want = joined_complex_product(
+        _bf16(x_re), _bf16(x_im), torch.cat([g_re.double(), g_im.double()], 2)
+    )
+    err = (got - want).abs().amax((2, 3)) / want.abs().amax((2, 3))
+    assert err.max() < 0.02 and err.max() > 1e-4
+
+
+@quads
+def test_int8_product_refuses_spectra_not_made_for_it():
+    x = torch.randn(5, 4, 6)
+    spectra = native.pack_quads(torch.randn(5, 6, 20), torch.randn(5, 6, 20))
+    assert spectra.g.dtype == torch.int8 and spectra.g.shape == (5, 2, 3, 16, 4)
+    assert spectra.scale.shape == spectra.corr.shape == (5, 32)
+    with pytest.raises(ValueError, match="not quads for 5 x 6 x 40"):
+        native.quad_rows_product(x, x, spectra, 40)
+    with pytest.raises(ValueError, match="at least one row, not 0"):
+        empty = torch.randn(5, 0, 6)
+        native.quad_rows_product(empty, empty, spectra, 20)
+
+
+def test_pack_quads_lays_out_each_lane_as_two_input_columns():
+    """Lane c of tile t, quad i: (Re, Im) of input column 2i then 2i + 1 for column 16t + c,
+    each the spectrum times 127 over its column's largest part, rounded; zeros past K and
+    N; the correction 128 times the column's integers summed, the scale its largest / 127."""
+    torch.manual_seed(0)
+    f, k, n = 2, 5, 19
+    g_re, g_im = torch.randn(2, f, k, n).unbind(0)
+    spectra = native.pack_quads(g_re, g_im)
+    q = spectra.g.view(f, 2, 3, 16, 2, 2)  # [F, T, K2, lane, column of the pair, re/im]
+    top = torch.maximum(g_re.abs(), g_im.abs()).amax(1)  # [F, N]
+    for col in (0, 7, 16, 18):
+        t, c = divmod(col, 16)
+        for i in range(k):
+            for part, g in enumerate((g_re, g_im)):
+                value = torch.round(g[0, i, col] * (127.0 / top[0, col]))
+                assert q[0, t, i // 2, c, i % 2, part] == value
+        assert spectra.scale[0, col] == top[0, col] / 127
+        assert spectra.corr[0, col] == 128 * q[0, t, :, c].int().sum()
+    assert not q[:, :, 2, :, 1].any()  # input column 5: past K
+    assert not q[:, 1, :, 3:].any() and not spectra.scale[:, 19:].any()  # past N
+
+
+@quads
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_fft_path_takes_the_int8_kernel_only_in_int8_inference(batch):
+    """``inference("int8")`` in eval packs the spectra once into quads (``ffti8``) and
+    stays close to float32; plain bfloat16 autocast keeps the bfloat16 kernel."""
+    from rstmodel.precision import inference
+
+    torch.manual_seed(1)
+    conv = GroupRSTConv(3, 4, SPEC).eval()
+    with torch.no_grad():
+        conv.bias.normal_()
+    x = torch.randn(batch, 3, 8, 3, 10, 10)
+    exact = conv.forward_fft(x, bias=conv.bias)
+    with inference("bf16"):
+        half = conv.forward_fft(x, bias=conv.bias)
+    assert not any(key.startswith("ffti8") for key in conv._cache)
+    with inference("int8"):
+        quant = conv.forward_fft(x, bias=conv.bias)
+    assert any(key.startswith("ffti8") for key in conv._cache)
+    scale = exact.abs().max()
+    assert (quant.float() - exact).abs().max() < 0.03 * scale
+    assert not torch.equal(quant, half)
+    rows = x.flatten(0, 3)[:, None]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not native.quad_rows_available(rows, rows)  # bf16 autocast alone
+
+
 def test_the_kernel_shares_torchs_openmp_runtime():
     """Loaded beside torch, the kernel's OpenMP threads are torch's own (one libgomp in the
     process): a second runtime's threads would contend with torch's waiting ones."""

@@ -23,7 +23,7 @@ from rstcnn.train import engine, fastpath, precision_check, report, resampling, 
 from rstmodel import create_model, load_checkpoint
 from rstmodel.data import ArrayDataset, RSConfig, VariantDataset, collate, load_rs
 from rstmodel.layers import ConvMethod
-from rstmodel.precision import bf16_supported, inference
+from rstmodel.precision import bf16_supported, inference, int8_products, int8_supported
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "train" / "run.py"
@@ -722,9 +722,9 @@ def test_precision_check_compares_bf16_with_float32(tmp_path, source, env, pipel
     r = precision_check.check(best, 64, 32, "cpu", 0.5, source["root"])
     assert r["images"] == 64 and r["model"] == "cnn"
     assert r["fp32_acc"] == pytest.approx(summary["test_acc"])
-    assert 0 <= r["bf16_acc"] <= 1 and r["top1_agreement"] >= 0.9
-    assert 0 < r["max_logit_change"] < 0.1 and r["fp32_s"] > 0 and r["bf16_s"] > 0
-    assert r["passes"] == (100 * (r["fp32_acc"] - r["bf16_acc"]) <= 0.5)
+    assert r["precision"] == "bf16" and 0 <= r["reduced_acc"] <= 1 and r["top1_agreement"] >= 0.9
+    assert 0 < r["max_logit_change"] < 0.1 and r["fp32_s"] > 0 and r["reduced_s"] > 0
+    assert r["passes"] == (100 * (r["fp32_acc"] - r["reduced_acc"]) <= 0.5)
     out = tmp_path / "r.json"
     argv = [str(best), "--limit", "64", "--batch", "32", "--data-root", str(source["root"])]
     code = precision_check.main([*argv, "--json", str(out)])
@@ -739,9 +739,23 @@ def test_precision_check_compares_bf16_with_float32(tmp_path, source, env, pipel
     assert str(gate_path(best)) in capsys.readouterr().out
     gate = json.loads(gate_path(best).read_text())
     assert gate["passes"] == r["passes"] and gate["images"] == 64
-    assert gate["drop_points"] == pytest.approx(100 * (r["fp32_acc"] - r["bf16_acc"]))
+    assert gate["drop_points"] == pytest.approx(100 * (r["fp32_acc"] - r["reduced_acc"]))
+    assert gate["precision"] == "bf16"
     served = Classifier.from_checkpoint(best)
     assert served.metadata["rstcnn.precision"] == ("bf16" if r["passes"] else "fp32")
+    # int8 products: its own gate file; "auto" serves int8 first where it passed
+    if int8_supported("cpu"):
+        assert precision_check.main([*argv, "--precision", "int8", "--record"]) in (0, 1)
+        assert str(gate_path(best, "int8")) in capsys.readouterr().out
+        gate8 = json.loads(gate_path(best, "int8").read_text())
+        assert gate8["precision"] == "int8" and gate8["images"] == 64
+        served = Classifier.from_checkpoint(best)
+        passed = [p for p, ok in (("int8", gate8["passes"]), ("bf16", r["passes"])) if ok]
+        assert served.metadata["rstcnn.precision"] == (passed[0] if passed else "fp32")
+        gate_path(best, "int8").unlink()
+    else:
+        assert precision_check.main([*argv, "--precision", "int8"]) == 2
+        assert "cannot run int8 products" in capsys.readouterr().err
     gate_path(best).unlink()
     assert precision_check.main([str(tmp_path / "missing.pt")]) == 2
     assert "no checkpoint" in capsys.readouterr().err
@@ -763,6 +777,19 @@ def test_inference_precision_context():
     else:
         with pytest.raises(ValueError, match="no native bfloat16"), inference("bf16"):
             pass
+    assert not int8_products()
+    if int8_supported("cpu"):
+        with inference("int8"):
+            assert int8_products() and torch.is_autocast_enabled("cpu")
+            with inference("bf16"):
+                assert not int8_products()
+            assert int8_products()
+        assert not int8_products() and not torch.is_autocast_enabled("cpu")
+    with (
+        pytest.raises(ValueError, match="cannot run int8 products"),
+        inference("int8", "meta"),
+    ):
+        pass
 
 
 def test_train_config_is_frozen_validated_and_varied_by_replace():

@@ -7,12 +7,14 @@ does in onnxruntime (BENCHMARKS.md, "Issue 13, fifth pass"), at the price of tor
 server and more memory. It is opt-in, and the same rules hold as for the exported files:
 
 - ``precision="fp32"`` runs the checkpoint exactly;
-- ``precision="bf16"`` may be served only with a passing accuracy check of this very
-  checkpoint file, written beside it by ``python train/precision_check.py CKPT --record``
-  (``CKPT`` with the suffix ``.bf16-gate.json``); without one ``serve.variants`` leaves it
-  out, as it does an unchecked int8 file;
-- ``precision="auto"`` (the app's choice) is ``bf16`` where the CPU has it and such a check
-  passed, ``fp32`` otherwise.
+- ``precision="bf16"`` (bfloat16 autocast) and ``precision="int8"`` (the same with the FFT
+  path's per-frequency products in int8: ``rstmodel.precision``) may be served only with a
+  passing accuracy check of this very checkpoint file at that precision, written beside it
+  by ``python train/precision_check.py CKPT --precision P --record`` (``CKPT`` with the
+  suffix ``.P-gate.json``); without one ``serve.variants`` leaves it out, as it does an
+  unchecked int8 file;
+- ``precision="auto"`` (the app's choice) is the first of ``int8`` and ``bf16`` that the CPU
+  runs and whose check passed, ``fp32`` otherwise.
 
 The metadata is the exported files' (``export.onnx_export.onnx_metadata``) plus the
 precision, the gate and whether quarter turns keep the logits (measured at load, in
@@ -36,32 +38,35 @@ __all__ = ["PRECISIONS", "gate_path", "load", "read_gate", "write_gate"]
 
 log = logging.getLogger("serve.eager")
 
-PRECISIONS = ("auto", "fp32", "bf16")
+PRECISIONS = ("auto", "fp32", "bf16", "int8")
+REDUCED = ("int8", "bf16")  # what "auto" tries, fastest first
 LINGER = float(os.environ.get("RSTCNN_LINGER", "0.02"))  # s; serve.coalesce
-GATE_SUFFIX = ".bf16-gate.json"
 
 
-def gate_path(checkpoint: str | Path) -> Path:
-    """Where the bfloat16 accuracy check of ``checkpoint`` is kept: beside it."""
+def gate_path(checkpoint: str | Path, precision: str = "bf16") -> Path:
+    """Where the accuracy check of ``checkpoint`` at ``precision`` is kept: beside it,
+    ``NAME.PRECISION-gate.json``."""
+    if precision not in REDUCED:
+        raise ValueError(f"no accuracy check for precision {precision!r}")
     checkpoint = Path(checkpoint)
-    return checkpoint.with_name(checkpoint.stem + GATE_SUFFIX)
+    return checkpoint.with_name(f"{checkpoint.stem}.{precision}-gate.json")
 
 
-def write_gate(checkpoint: str | Path, digest: str, record: dict) -> Path:
+def write_gate(checkpoint: str | Path, digest: str, record: dict, precision: str = "bf16") -> Path:
     """Write ``record`` (``passes``, ``images``, ``accuracy``, ``reference_accuracy``,
-    ``drop_points``, ``limit_points``, ...) as the check of the checkpoint whose file has
-    the SHA-256 ``digest``. Atomic."""
-    path = gate_path(checkpoint)
+    ``drop_points``, ``limit_points``, ...) as the check at ``precision`` of the checkpoint
+    whose file has the SHA-256 ``digest``. Atomic."""
+    path = gate_path(checkpoint, precision)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps({**record, "checkpoint_sha256": digest}, indent=2) + "\n")
     tmp.replace(path)
     return path
 
 
-def read_gate(checkpoint: str | Path, digest: str) -> dict | None:
-    """The recorded check of this very checkpoint file, or None (none, unreadable, or made
-    for another version of the file; logged)."""
-    path = gate_path(checkpoint)
+def read_gate(checkpoint: str | Path, digest: str, precision: str = "bf16") -> dict | None:
+    """The recorded check at ``precision`` of this very checkpoint file, or None (none,
+    unreadable, or made for another version of the file; logged)."""
+    path = gate_path(checkpoint, precision)
     if not path.is_file():
         return None
     try:
@@ -97,7 +102,7 @@ def load(
         onnx_metadata,
     )
     from rstmodel.checkpoint import CheckpointError, load_checkpoint
-    from rstmodel.precision import bf16_supported, inference
+    from rstmodel.precision import bf16_supported, inference, int8_supported
 
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -112,9 +117,12 @@ def load(
         raise ValueError(f"{checkpoint}: {err}") from None
     model = model.float().eval()
     digest = file_sha256(checkpoint)
-    gate = read_gate(checkpoint, digest)
+    runs = {"int8": int8_supported, "bf16": bf16_supported}
+    gates = {p: read_gate(checkpoint, digest, p) for p in REDUCED if runs[p]()}
     if precision == "auto":
-        precision = "bf16" if bf16_supported() and gate and gate["passes"] else "fp32"
+        passed = [p for p, gate in gates.items() if gate and gate["passes"]]
+        precision = passed[0] if passed else "fp32"
+    gate = gates.get(precision)
     metadata = onnx_metadata(model, meta, digest)
     metadata["rstcnn.precision"] = precision
     if precision != "fp32" and gate is not None:

@@ -1,20 +1,25 @@
-"""Eager inference in bfloat16 against exact float32, on a checkpoint's own test images.
+"""Eager inference in bfloat16 (or int8) against exact float32, on a checkpoint's own test
+images.
 
     python train/precision_check.py models/rst_cnn_fb.pt --limit 1024
     python train/precision_check.py runs/x/best.pt --device cuda
     python train/precision_check.py models/rst_cnn_fb.pt --record   (for the app, see below)
+    python train/precision_check.py models/rst_cnn_fb.pt --precision int8 --record
 
 Runs the checkpoint on the first ``--limit`` images of its RS test split (its realisation,
-N_tr and validation size: none seen in training) in float32 and in bfloat16 autocast
-(``rstmodel.precision.inference``), and prints accuracy of each, how often the two agree on
-the top class, the largest logit change relative to the largest float32 logit, the time of
-each pass (same process, same batches) and whether bfloat16 passes the gate: accuracy
-within ``--tolerance`` points of float32 (0.5, as the exported int8 / fp16 files' gate).
-Exit status 0 when it passes, 1 when it does not, 2 when it cannot run.
+N_tr and validation size: none seen in training) in float32 and at ``--precision``
+(``rstmodel.precision.inference``: ``bf16`` autocast, or ``int8``, the same with the FFT
+path's per-frequency products in int8, on a CPU with AVX512-VNNI), and prints accuracy of
+each, how often the two agree on the top class, the largest logit change relative to the
+largest float32 logit, the time of each pass (same process, same batches) and whether the
+reduced precision passes the gate: accuracy within ``--tolerance`` points of float32 (0.5,
+as the exported int8 / fp16 files' gate). Exit status 0 when it passes, 1 when it does not,
+2 when it cannot run.
 
-``--record`` writes the result beside the checkpoint (``NAME.bf16-gate.json``, tied to the
-checkpoint file's SHA-256): the accuracy check that lets ``serve/app.py --model NAME.pt``
-serve the checkpoint in bfloat16 (``serve.eager``).
+``--record`` writes the result beside the checkpoint (``NAME.bf16-gate.json`` or
+``NAME.int8-gate.json``, tied to the checkpoint file's SHA-256): the accuracy check that
+lets ``serve/app.py --model NAME.pt`` serve the checkpoint at that precision
+(``serve.eager``).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from rstcnn.train.runtime import use_retaining_allocator
 from rstmodel import load_checkpoint
 from rstmodel.checkpoint import CheckpointError
 from rstmodel.data import SourceNotFoundError
-from rstmodel.precision import bf16_supported, inference
+from rstmodel.precision import bf16_supported, inference, int8_supported
 
 
 def logits_of(
@@ -57,31 +62,38 @@ def logits_of(
 
 
 def check(
-    path: Path, limit: int, batch: int, device: str, tolerance: float, data_root=None
+    path: Path,
+    limit: int,
+    batch: int,
+    device: str,
+    tolerance: float,
+    data_root=None,
+    precision: str = "bf16",
 ) -> dict:
     device = torch.device(device)
     model, meta = load_checkpoint(path, map_location=device)
     images, labels = test_images(rs_run(path, meta), "bicubic", limit, data_root)
     x = v2.Normalize(meta.mean, meta.std)(torch.from_numpy(images[:, None]).float() / 255)
     exact, t32 = logits_of(model, x, "fp32", device, batch)
-    half, t16 = logits_of(model, x, "bf16", device, batch)
+    reduced, t_reduced = logits_of(model, x, precision, device, batch)
     y = torch.from_numpy(labels.astype(np.int64))
     acc32 = float((exact.argmax(1) == y).float().mean())
-    acc16 = float((half.argmax(1) == y).float().mean())
+    acc = float((reduced.argmax(1) == y).float().mean())
     return {
         "checkpoint": str(path),
         "model": meta.model_name,
         "device": str(device),
+        "precision": precision,
         "images": int(len(y)),
         "batch": batch,
         "fp32_acc": acc32,
-        "bf16_acc": acc16,
-        "top1_agreement": float((exact.argmax(1) == half.argmax(1)).float().mean()),
-        "max_logit_change": float((half - exact).abs().max() / exact.abs().max()),
+        "reduced_acc": acc,
+        "top1_agreement": float((exact.argmax(1) == reduced.argmax(1)).float().mean()),
+        "max_logit_change": float((reduced - exact).abs().max() / exact.abs().max()),
         "fp32_s": t32,
-        "bf16_s": t16,
-        "speedup": t32 / t16,
-        "passes": 100 * (acc32 - acc16) <= tolerance,
+        "reduced_s": t_reduced,
+        "speedup": t32 / t_reduced,
+        "passes": 100 * (acc32 - acc) <= tolerance,
         "tolerance_points": tolerance,
     }
 
@@ -98,9 +110,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-root", type=Path, default=None, help="folder of RS source files")
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
     parser.add_argument(
+        "--precision",
+        choices=("bf16", "int8"),
+        default="bf16",
+        help="what to check against float32 (int8: bf16 with int8 per-frequency products)",
+    )
+    parser.add_argument(
         "--record",
         action="store_true",
-        help="write the gate beside the checkpoint (NAME.bf16-gate.json) for serve/app.py",
+        help="write the gate beside the checkpoint (NAME.PRECISION-gate.json) for serve/app.py",
     )
     args = parser.parse_args(argv)
     if args.limit < 1 or args.batch < 1:
@@ -110,9 +128,22 @@ def main(argv: list[str] | None = None) -> int:
             f"error: {args.device} here has no native bfloat16; nothing to check", file=sys.stderr
         )
         return 2
+    if args.precision == "int8" and not int8_supported(args.device):
+        print(
+            f"error: {args.device} here cannot run int8 products (a CPU with AVX512-BF16 and "
+            "AVX512-VNNI, a C compiler); nothing to check",
+            file=sys.stderr,
+        )
+        return 2
     try:
         r = check(
-            args.checkpoint, args.limit, args.batch, args.device, args.tolerance, args.data_root
+            args.checkpoint,
+            args.limit,
+            args.batch,
+            args.device,
+            args.tolerance,
+            args.data_root,
+            args.precision,
         )
     except (FileNotFoundError, CheckpointError, SourceNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -120,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{r['model']} on {r['images']} test images ({r['device']}, batch {r['batch']}):\n"
         f"  float32  accuracy {100 * r['fp32_acc']:.2f} %  {r['fp32_s']:.2f} s\n"
-        f"  bfloat16 accuracy {100 * r['bf16_acc']:.2f} %  {r['bf16_s']:.2f} s  "
+        f"  {r['precision']:8} accuracy {100 * r['reduced_acc']:.2f} %  {r['reduced_s']:.2f} s  "
         f"({r['speedup']:.2f}x)\n"
         f"  top-1 agreement {100 * r['top1_agreement']:.2f} %, largest logit change "
         f"{r['max_logit_change']:.3f} of the largest logit\n"
@@ -134,16 +165,17 @@ def main(argv: list[str] | None = None) -> int:
 
         gate = {
             "passes": r["passes"],
-            "precision": "bf16",
+            "precision": r["precision"],
             "images": r["images"],
-            "accuracy": r["bf16_acc"],
+            "accuracy": r["reduced_acc"],
             "reference_accuracy": r["fp32_acc"],
-            "drop_points": 100 * (r["fp32_acc"] - r["bf16_acc"]),
+            "drop_points": 100 * (r["fp32_acc"] - r["reduced_acc"]),
             "limit_points": r["tolerance_points"],
             "top1_agreement": r["top1_agreement"],
             "device": r["device"],
         }
-        print(f"  recorded: {write_gate(args.checkpoint, file_sha256(args.checkpoint), gate)}")
+        digest = file_sha256(args.checkpoint)
+        print(f"  recorded: {write_gate(args.checkpoint, digest, gate, r['precision'])}")
     return 0 if r["passes"] else 1
 
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..basis import BasisSpec, sample_basis, steering
+from ..precision import int8_products
 from . import native
 from .common import (
     ConvMethod,
@@ -110,7 +111,7 @@ class _BasisConv(nn.Module):
         """TUNED in eval mode: the path that ran ``x`` fastest (each timed once after a
         warm-up call that fills its caches), remembered per input shape, dtype, device and
         autocast state (bfloat16 autocast can make another path the fastest)."""
-        key = (tuple(x.shape), x.dtype, x.device, _autocast_dtype(x.device))
+        key = (tuple(x.shape), x.dtype, x.device, _autocast_dtype(x.device), int8_products())
         choice = self._tuned.get(key)
         if choice is None:
             with torch.no_grad():
@@ -736,6 +737,12 @@ class GroupRSTConv(_BasisConv):
                 lambda: native.pack_joined(*self.spectra(nh, nw, filt_rot, scales, gauss=False)),
             )
             y = native.joined_rows_product(x_re, x_im, g, self.out_channels, *dc)
+        elif native.quad_rows_available(x_re, x_im):  # compiled, CPU int8 eval
+            g = self._cached(
+                "ffti8" + name,
+                lambda: native.pack_quads(*self._float_spectra(nh, nw, filt_rot, scales)),
+            )
+            y = native.quad_rows_product(x_re, x_im, g, self.out_channels, *dc)
         elif native.paired_available(x_re, x_im):  # compiled, CPU bfloat16 eval
             g = self._cached(
                 "fftb" + name,

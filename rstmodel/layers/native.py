@@ -80,6 +80,7 @@ import sysconfig
 import tempfile
 import threading
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -91,6 +92,12 @@ __all__ = [
     "paired_available",
     "pack_pairs",
     "paired_rows_product",
+    "QuadSpectra",
+    "pack_quads",
+    "quad_rows_available",
+    "quad_rows_built",
+    "quad_rows_product",
+    "quad_rows_reference",
     "pooled_mix_available",
     "pooled_mix",
     "pooled_mix_train_available",
@@ -179,6 +186,9 @@ def _library() -> ctypes.CDLL | None:
         fn = lib.paired_rows_product
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
         fn.restype = ctypes.c_int
+        if hasattr(lib, "quad_rows_product"):  # and AVX512-VNNI
+            lib.quad_rows_product.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 5
+            lib.quad_rows_product.restype = ctypes.c_int
         lib.pooled_mix_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 8
         lib.pooled_mix_bf16.restype = ctypes.c_int
         lib.small_gemm_bf16.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5
@@ -298,6 +308,127 @@ def paired_rows_product(
         raise ValueError(
             f"the kernel takes at least one row, not {m}" if err == 1 else "out of memory"
         )
+    if bias is not None:
+        y[0, :dc_rows] += bias.to(y.dtype) * dc_scale
+    return y
+
+
+class QuadSpectra(NamedTuple):
+    """Filter spectra as ``quad_rows_product`` reads them (``pack_quads``)."""
+
+    g: Tensor  # int8 [F, T, ceil(K/2), TILE, 4]: per column (Re, Im) of two input columns
+    scale: Tensor  # float32 [F, T*TILE]: each column's scale (zero past N)
+    corr: Tensor  # int32 [F, T*TILE]: 128 times each column's sum of its integers
+
+
+def _quantize(values: Tensor, top: Tensor) -> tuple[Tensor, Tensor]:
+    """``values`` times 127 / ``top`` (broadcast), rounded to the nearest integer (ties to
+    even), and the scale ``top / 127``: what the kernel does, in the same float32 steps."""
+    top = top.float()  # (a scalar over a tensor is a reciprocal times it: two roundings)
+    inv = torch.full_like(top, 127.0) / top.clamp_min(torch.finfo(torch.float32).tiny)
+    inv = torch.where(top > 0, inv, 0.0)
+    return torch.round(values.float() * inv), top / 127.0
+
+
+def pack_quads(g_re: Tensor, g_im: Tensor) -> QuadSpectra:
+    """Filter spectra ``[F, K, N]`` (float32) quantized to int8 per frequency and column
+    (``127 / max |Re G|, |Im G|`` over the K input columns) and packed for
+    ``quad_rows_product``."""
+    f, k, n = g_re.shape
+    tiles, k2 = -(-n // TILE), -(-k // 2)
+    top = torch.maximum(g_re.abs(), g_im.abs()).amax(1, keepdim=True)  # [F, 1, N]
+    (q_re, scale), (q_im, _) = _quantize(g_re, top), _quantize(g_im, top)
+    q = torch.zeros(f, 2 * k2, tiles * TILE, 2, dtype=torch.int8, device=g_re.device)
+    q[:, :k, :n, 0] = q_re.to(torch.int8)
+    q[:, :k, :n, 1] = q_im.to(torch.int8)
+    packed = q.view(f, k2, 2, tiles, TILE, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
+    corr = torch.zeros(f, tiles * TILE, dtype=torch.int32, device=g_re.device)
+    corr[:, :n] = 128 * (q_re + q_im).sum(1).int()
+    scales = torch.zeros(f, tiles * TILE, dtype=torch.float32, device=g_re.device)
+    scales[:, :n] = scale[:, 0]
+    return QuadSpectra(packed.view(f, tiles, k2, TILE, 4), scales, corr)
+
+
+def quad_rows_built() -> bool:
+    """Whether the kernels here were built with ``quad_rows_product`` (AVX512-BF16 and
+    AVX512-VNNI)."""
+    lib = _library()
+    return lib is not None and hasattr(lib, "quad_rows_product")
+
+
+def quad_rows_available(x_re: Tensor, x_im: Tensor) -> bool:
+    """Whether ``quad_rows_product`` serves these row blocks: inside
+    ``rstmodel.precision.inference("int8")``, ``paired_available`` and the kernel built."""
+    from rstmodel.precision import int8_products
+
+    return int8_products() and paired_available(x_re, x_im) and quad_rows_built()
+
+
+def quad_rows_product(
+    x_re: Tensor,
+    x_im: Tensor,
+    spectra: QuadSpectra,
+    n: int,
+    bias: Tensor | None = None,
+    dc_rows: int = 0,
+    dc_scale: float = 1.0,
+) -> Tensor:
+    """``paired_rows_product`` in int8: each frequency's rows ``x [F, M, K]`` (rounded to
+    bfloat16) quantized per row (``127 / max |Re x|, |Im x|``), the spectra as
+    ``pack_quads`` quantized them, the complex products summed exactly in 32-bit integers
+    and scaled back: ``[Re y; Im y]`` ``[2, F, M, N]`` bfloat16, the bias added as there.
+    ``quad_rows_reference`` computes the same values with torch."""
+    f, m, k = x_re.shape
+    tiles, k2 = -(-n // TILE), -(-k // 2)
+    if spectra.g.shape != (f, tiles, k2, TILE, 4) or not spectra.g.is_contiguous():
+        raise ValueError(f"spectra {tuple(spectra.g.shape)} are not quads for {f} x {k} x {n}")
+    x_re = x_re.to(torch.bfloat16).contiguous()
+    x_im = x_im.to(torch.bfloat16).contiguous()
+    y = x_re.new_empty(2, f, m, n)
+    threads = max(1, torch.get_num_threads())
+    err = _library().quad_rows_product(
+        x_re.data_ptr(),
+        x_im.data_ptr(),
+        spectra.g.data_ptr(),
+        spectra.scale.data_ptr(),
+        spectra.corr.data_ptr(),
+        y.data_ptr(),
+        f,
+        m,
+        k,
+        n,
+        threads,
+    )
+    if err:
+        raise ValueError(
+            f"the kernel takes at least one row, not {m}" if err == 1 else "out of memory"
+        )
+    if bias is not None:
+        y[0, :dc_rows] += bias.to(y.dtype) * dc_scale
+    return y
+
+
+def quad_rows_reference(
+    x_re: Tensor,
+    x_im: Tensor,
+    g_re: Tensor,
+    g_im: Tensor,
+    bias: Tensor | None = None,
+    dc_rows: int = 0,
+    dc_scale: float = 1.0,
+) -> Tensor:
+    """What ``quad_rows_product`` computes (on ``pack_quads(g_re, g_im)``), in torch: the
+    integer products summed in float64 (exact), the same scalings and roundings."""
+    x_re, x_im = x_re.to(torch.bfloat16).float(), x_im.to(torch.bfloat16).float()
+    top = torch.maximum(x_re.abs(), x_im.abs()).amax(2, keepdim=True)  # [F, M, 1]
+    (q_re, sx), (q_im, _) = _quantize(x_re, top), _quantize(x_im, top)
+    gtop = torch.maximum(g_re.abs(), g_im.abs()).amax(1, keepdim=True)
+    (w_re, sg), (w_im, _) = _quantize(g_re, gtop), _quantize(g_im, gtop)
+    q_re, q_im, w_re, w_im = (t.double() for t in (q_re, q_im, w_re, w_im))
+    s = sx * sg  # [F, M, N] float32, one rounding as the kernel's
+    y_re = ((q_re @ w_re - q_im @ w_im).float() * s).to(torch.bfloat16)
+    y_im = ((q_im @ w_re + q_re @ w_im).float() * s).to(torch.bfloat16)
+    y = torch.stack([y_re, y_im])
     if bias is not None:
         y[0, :dc_rows] += bias.to(y.dtype) * dc_scale
     return y
