@@ -30,9 +30,10 @@ for name in rst_cnn_fb cnn; do
     served+=(--model "models/$name.onnx")
 done
 
-# The RST-CNN's checkpoint competes too, run by eager torch (serve.eager): in bfloat16 where
-# this CPU has it and its recorded accuracy check (models/rst_cnn_fb.bf16-gate.json, made by
-# train/precision_check.py --record) passes, float32 otherwise. The app measures each copy at
+# The RST-CNN's checkpoint competes too, run by eager torch (serve.eager): with int8
+# per-frequency products, else in bfloat16, where this CPU has them and the recorded accuracy
+# check at that precision (models/rst_cnn_fb.int8-gate.json, models/rst_cnn_fb.bf16-gate.json,
+# made by train/precision_check.py [--precision int8] --record) passes, float32 otherwise. The app measures each copy at
 # one image and at a sweep's batch and serves the fastest for each (serve.variants).
 served+=(--model models/rst_cnn_fb.pt)
 

@@ -1,5 +1,6 @@
-/* The FFT path's per-frequency complex products in eval, float32 on CPUs with AVX-512 and
- * bfloat16 where the CPU has AVX512-BF16 dot products: see rstmodel/layers/native.py.
+/* The FFT path's per-frequency complex products in eval, float32 on CPUs with AVX-512,
+ * bfloat16 where the CPU has AVX512-BF16 dot products and int8 where it also has
+ * AVX512-VNNI: see rstmodel/layers/native.py.
  *
  * For each frequency f:  [Re y; Im y] from  x = [Re x; Im x]  (2M rows, K columns) and the
  * filter spectrum G (K x N, complex), packed as tiles of 16 columns:
