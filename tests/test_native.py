@@ -251,8 +251,8 @@ def test_int8_reference_is_close_to_the_complex_product():
 def test_int8_product_refuses_spectra_not_made_for_it():
     x = torch.randn(5, 4, 6)
     spectra = native.pack_quads(torch.randn(5, 6, 20), torch.randn(5, 6, 20))
-    assert spectra.g.dtype == torch.int8 and spectra.g.shape == (5, 2, 3, 16, 4)
-    assert spectra.scale.shape == spectra.corr.shape == (5, 32)
+    assert spectra.g.dtype == torch.uint8 and spectra.g.shape == (5, 2, 3, 16, 4)
+    assert spectra.scale.shape == (5, 32)
     with pytest.raises(ValueError, match="not quads for 5 x 6 x 40"):
         native.quad_rows_product(x, x, spectra, 40)
     with pytest.raises(ValueError, match="at least one row, not 0"):
@@ -262,13 +262,14 @@ def test_int8_product_refuses_spectra_not_made_for_it():
 
 def test_pack_quads_lays_out_each_lane_as_two_input_columns():
     """Lane c of tile t, quad i: (Re, Im) of input column 2i then 2i + 1 for column 16t + c,
-    each the spectrum times 127 over its column's largest part, rounded; zeros past K and
-    N; the correction 128 times the column's integers summed, the scale its largest / 127."""
+    each the spectrum times 127 over its column's largest part, rounded, plus 128; 128
+    (zero) past K and N; the scale the column's largest / 127, zero past N."""
     torch.manual_seed(0)
     f, k, n = 2, 5, 19
     g_re, g_im = torch.randn(2, f, k, n).unbind(0)
     spectra = native.pack_quads(g_re, g_im)
-    q = spectra.g.view(f, 2, 3, 16, 2, 2)  # [F, T, K2, lane, column of the pair, re/im]
+    assert spectra.g.dtype == torch.uint8
+    q = spectra.g.view(f, 2, 3, 16, 2, 2).int() - 128  # [F, T, K2, lane, pair column, re/im]
     top = torch.maximum(g_re.abs(), g_im.abs()).amax(1)  # [F, N]
     for col in (0, 7, 16, 18):
         t, c = divmod(col, 16)
@@ -277,7 +278,6 @@ def test_pack_quads_lays_out_each_lane_as_two_input_columns():
                 value = torch.round(g[0, i, col] * (127.0 / top[0, col]))
                 assert q[0, t, i // 2, c, i % 2, part] == value
         assert spectra.scale[0, col] == top[0, col] / 127
-        assert spectra.corr[0, col] == 128 * q[0, t, :, c].int().sum()
     assert not q[:, :, 2, :, 1].any()  # input column 5: past K
     assert not q[:, 1, :, 3:].any() and not spectra.scale[:, 19:].any()  # past N
 

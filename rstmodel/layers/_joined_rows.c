@@ -199,21 +199,21 @@ int paired_rows_product(const unsigned short *x_re, const unsigned short *x_im, 
 /* int8 (rstmodel.layers.native.quad_rows_product): the same products with each frequency's
  * rows quantized on the fly and the spectra quantized once (the eval cache). A row r of x
  * (K complex values) is scaled by 127 / max |Re x|, |Im x| and rounded to the nearest
- * integer q (ties to even), stored offset by 128 as a byte. Each 32-bit lane of the spectra
- * holds one column's quad of int8 values for two input columns,
- *   g[f, t, i, c] = (Re G[2i, col], Im G[2i, col], Re G[2i+1, col], Im G[2i+1, col]),
- * col = 16t + c (zero past K and N), G scaled per column and frequency. One dot-product
- * instruction (vpdpbusd: four byte products summed into 32 bits) takes the broadcast quad
+ * integer (ties to even). Each 32-bit lane of the spectra holds one column's quad of
+ * bytes for two input columns, each value offset by 128 (unsigned),
+ *   g[f, t, i, c] = (Re G[2i, col], Im G[2i, col], Re G[2i+1, col], Im G[2i+1, col]) + 128,
+ * col = 16t + c, G scaled per column and frequency (zero past K and N, before the offset).
+ * One dot-product instruction (vpdpbusd: four unsigned-by-signed byte products summed into
+ * 32 bits), its signed operand the row's quad broadcast from memory within the instruction,
  *   (Re x_2i, -Im x_2i, Re x_2i+1, -Im x_2i+1) for the real part, (Im x, Re x, ...) for
- * the imaginary one: eight real products of two complex ones per instruction and lane.
- * The offset adds 128 times the sum of the lane's four weights, the same for both parts:
- * corr[f, col] = 128 sum_k (Re G[k, col] + Im G[k, col]) (in the quantized integers) is
- * subtracted, and the exact integer sum is scaled by the row's and the column's scales
- * (float32), rounded to bfloat16 once: y [2, F, M, N] as the bfloat16 kernel writes it.
- * gscale [F, 16T] float32 and corr [F, 16T] int32, zero past N. */
+ * the imaginary one, gives eight real products of two complex ones per lane. The offset
+ * adds 128 times the sum of the row's quad values, subtracted per row; the exact integer
+ * sum is scaled by the row's and the column's scales (float32) and rounded to bfloat16
+ * once: y [2, F, M, N] as the bfloat16 kernel writes it. gscale [F, 16T] float32, zero past
+ * N. */
 typedef struct {
   const unsigned short *x_re, *x_im;
-  const int *g, *corr;
+  const int *g;
   const float *gscale;
   unsigned short *y;
   long f0, f1, f_total, m, k, n;
@@ -224,18 +224,18 @@ static inline __m512 bf16_load(const unsigned short *p, __mmask16 mask) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
 }
 
-/* two rows of 16 rounded values -> 8 lanes of quads (a0, b0, a1, b1), each offset by 128 */
+/* two rows of 16 rounded values (in [-127, 127]) -> 8 lanes of quads (a0, b0, a1, b1) */
 static inline __m256i quads(__m512i a, __m512i b) {
-  const __m512i off = _mm512_set1_epi32(128), byte = _mm512_set1_epi32(0xff);
-  const __m512i lo = _mm512_and_si512(_mm512_add_epi32(a, off), byte);
-  const __m512i hi = _mm512_slli_epi32(_mm512_and_si512(_mm512_add_epi32(b, off), byte), 8);
-  return _mm512_cvtepi32_epi16(_mm512_or_si512(lo, hi));
+  const __m512i byte = _mm512_set1_epi32(0xff);
+  const __m512i hi = _mm512_slli_epi32(_mm512_and_si512(b, byte), 8);
+  return _mm512_cvtepi32_epi16(_mm512_or_si512(_mm512_and_si512(a, byte), hi));
 }
 
 /* rows of one frequency -> q[r * k2p + i] (real part's quads), q[(m + r) * k2p + i]
- * (imaginary part's), k2p = 8 ceil(K / 16) lanes a row (zeros past K); sx[r] its scale */
+ * (imaginary part's), k2p = 8 ceil(K / 16) lanes a row (zeros past K); sx[r] its scale,
+ * off[r] and off[m + r] 128 times the sum of its real and imaginary part's quad values */
 static void quantize_rows(const unsigned short *xr, const unsigned short *xi, int *q, float *sx,
-                          long m, long k) {
+                          int *off, long m, long k) {
   const long k2p = 8 * ((k + 15) / 16);
   const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   for (long r = 0; r < m; ++r, xr += k, xi += k) {
@@ -249,19 +249,34 @@ static void quantize_rows(const unsigned short *xr, const unsigned short *xi, in
     const __m512 inv = _mm512_set1_ps(top > 0 ? 127.0f / top : 0.0f);
     sx[r] = top / 127.0f;
     int *qr = q + r * k2p, *qi = q + (m + r) * k2p;
+    __m512i sum_a = _mm512_setzero_si512(), sum_b = _mm512_setzero_si512();
     for (long i = 0; i < k; i += LANES, qr += 8, qi += 8) {
       const __mmask16 mask = (__mmask16)(k - i >= LANES ? 0xffff : (1u << (k - i)) - 1);
       const __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(bf16_load(xr + i, mask), inv));
       const __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(bf16_load(xi + i, mask), inv));
+      sum_a = _mm512_add_epi32(sum_a, a);
+      sum_b = _mm512_add_epi32(sum_b, b);
       _mm256_storeu_si256((__m256i *)qr, quads(a, _mm512_sub_epi32(_mm512_setzero_si512(), b)));
       _mm256_storeu_si256((__m256i *)qi, quads(b, a));
     }
+    const int sa = _mm512_reduce_add_epi32(sum_a), sb = _mm512_reduce_add_epi32(sum_b);
+    off[r] = 128 * (sa - sb);
+    off[m + r] = 128 * (sa + sb);
   }
 }
 
+/* acc + w . (the quad at p, broadcast): the broadcast embedded in the instruction's memory
+ * operand ({1to16}), which costs no shuffle of its own (GCC does not fold the intrinsics'
+ * broadcast into it) */
+static inline __attribute__((always_inline)) __m512i dpbusd_bcast(__m512i acc, __m512i w,
+                                                                  const int *p) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*p));
+  return acc;
+}
+
 static inline __attribute__((always_inline)) void qtile(const int *q, const float *sx,
-                                                        const int *gt, const float *gs,
-                                                        const int *corr, unsigned short *re,
+                                                        const int *off, const int *gt,
+                                                        const float *gs, unsigned short *re,
                                                         unsigned short *im, long m, long k2,
                                                         long k2p, long n, long c0, long r0,
                                                         const long g) {
@@ -272,70 +287,71 @@ static inline __attribute__((always_inline)) void qtile(const int *q, const floa
     const __m512i w = _mm512_loadu_si512(gt);
 #pragma GCC unroll 8
     for (long r = 0; r < g; ++r) {
-      a_re[r] = _mm512_dpbusd_epi32(a_re[r], _mm512_set1_epi32(q_re[r * k2p + i]), w);
-      a_im[r] = _mm512_dpbusd_epi32(a_im[r], _mm512_set1_epi32(q_im[r * k2p + i]), w);
+      a_re[r] = dpbusd_bcast(a_re[r], w, q_re + r * k2p + i);
+      a_im[r] = dpbusd_bcast(a_im[r], w, q_im + r * k2p + i);
     }
   }
   const long width = n - c0 < LANES ? n - c0 : LANES;
   const __mmask16 mask = (__mmask16)((1u << width) - 1);
-  const __m512i cv = _mm512_loadu_si512(corr + c0);
   const __m512 sv = _mm512_loadu_ps(gs + c0);
   for (long r = 0; r < g; ++r) {
     const __m512 s = _mm512_mul_ps(sv, _mm512_set1_ps(sx[r0 + r]));
-    const __m512 y_re = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a_re[r], cv)), s);
-    const __m512 y_im = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a_im[r], cv)), s);
+    const __m512i o_re = _mm512_set1_epi32(off[r0 + r]), o_im = _mm512_set1_epi32(off[m + r0 + r]);
+    const __m512 y_re = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a_re[r], o_re)), s);
+    const __m512 y_im = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a_im[r], o_im)), s);
     _mm256_mask_storeu_epi16(re + (r0 + r) * n + c0, mask, (__m256i)_mm512_cvtneps_pbh(y_re));
     _mm256_mask_storeu_epi16(im + (r0 + r) * n + c0, mask, (__m256i)_mm512_cvtneps_pbh(y_im));
   }
 }
 
-/* the frequencies [f0, f1) of the job; q: room for 2 M k2p ints, sx for M floats */
-static void qrun(const qjob_t *j, int *q, float *sx) {
+/* the frequencies [f0, f1) of the job; q: room for 2 M k2p ints, sx for M floats, off for
+ * 2 M ints */
+static void qrun(const qjob_t *j, int *q, float *sx, int *off) {
   const long m = j->m, k = j->k, n = j->n, tiles = (n + LANES - 1) / LANES;
   const long k2 = (k + 1) / 2, k2p = 8 * ((k + 15) / 16);
   for (long f = j->f0; f < j->f1; ++f) {
-    quantize_rows(j->x_re + f * m * k, j->x_im + f * m * k, q, sx, m, k);
+    quantize_rows(j->x_re + f * m * k, j->x_im + f * m * k, q, sx, off, m, k);
     unsigned short *re = j->y + f * m * n, *im = j->y + (j->f_total + f) * m * n;
     const float *gs = j->gscale + f * tiles * LANES;
-    const int *corr = j->corr + f * tiles * LANES;
     for (long t = 0; t < tiles; ++t) {
       const int *gt = j->g + (f * tiles + t) * k2 * LANES;
       const long c0 = t * LANES;
       long r0 = 0;
       for (; r0 + BGROUP <= m; r0 += BGROUP)
-        qtile(q, sx, gt, gs, corr, re, im, m, k2, k2p, n, c0, r0, BGROUP);
+        qtile(q, sx, off, gt, gs, re, im, m, k2, k2p, n, c0, r0, BGROUP);
       switch (m - r0) {
-      case 7: qtile(q, sx, gt, gs, corr, re, im, m, k2, k2p, n, c0, r0, 7); break;
-      case 6: qtile(q, sx, gt, gs, corr, re, im, m, k2, k2p, n, c0, r0, 6); break;
-      case 5: qtile(q, sx, gt, gs, corr, re, im, m, k2, k2p, n, c0, r0, 5); break;
-      case 4: qtile(q, sx, gt, gs, corr, re, im, m, k2, k2p, n, c0, r0, 4); break;
-      case 3: qtile(q, sx, gt, gs, corr, re, im, m, k2, k2p, n, c0, r0, 3); break;
-      case 2: qtile(q, sx, gt, gs, corr, re, im, m, k2, k2p, n, c0, r0, 2); break;
-      case 1: qtile(q, sx, gt, gs, corr, re, im, m, k2, k2p, n, c0, r0, 1); break;
+      case 7: qtile(q, sx, off, gt, gs, re, im, m, k2, k2p, n, c0, r0, 7); break;
+      case 6: qtile(q, sx, off, gt, gs, re, im, m, k2, k2p, n, c0, r0, 6); break;
+      case 5: qtile(q, sx, off, gt, gs, re, im, m, k2, k2p, n, c0, r0, 5); break;
+      case 4: qtile(q, sx, off, gt, gs, re, im, m, k2, k2p, n, c0, r0, 4); break;
+      case 3: qtile(q, sx, off, gt, gs, re, im, m, k2, k2p, n, c0, r0, 3); break;
+      case 2: qtile(q, sx, off, gt, gs, re, im, m, k2, k2p, n, c0, r0, 2); break;
+      case 1: qtile(q, sx, off, gt, gs, re, im, m, k2, k2p, n, c0, r0, 1); break;
       }
     }
   }
 }
 
 int quad_rows_product(const unsigned short *x_re, const unsigned short *x_im, const int *g,
-                      const float *gscale, const int *corr, unsigned short *y, long f, long m,
-                      long k, long n, long threads) {
+                      const float *gscale, unsigned short *y, long f, long m, long k, long n,
+                      long threads) {
   if (m < 1 || threads < 1) return 1;
   int failed = 0;
   const long chunk = chunk_size(f, threads), k2p = 8 * ((k + 15) / 16);
 #pragma omp parallel num_threads(threads) reduction(| : failed)
   {
-    int *q = malloc(sizeof(int) * 2 * m * k2p);
+    int *q = malloc(sizeof(int) * 2 * m * k2p), *off = malloc(sizeof(int) * 2 * m);
     float *sx = malloc(sizeof(float) * m);
-    failed |= q == NULL || sx == NULL;
+    failed |= q == NULL || sx == NULL || off == NULL;
 #pragma omp for schedule(dynamic, 1)
     for (long c = 0; c < (f + chunk - 1) / chunk; ++c) {
-      qjob_t job = {x_re, x_im, g, corr, gscale, y, c * chunk,
+      qjob_t job = {x_re, x_im, g, gscale, y, c * chunk,
                     c * chunk + chunk < f ? c * chunk + chunk : f, f, m, k, n};
-      if (q && sx) qrun(&job, q, sx);
+      if (q && sx && off) qrun(&job, q, sx, off);
     }
     free(q);
     free(sx);
+    free(off);
   }
   return failed ? 2 : 0;
 }
