@@ -232,3 +232,19 @@ def test_stage_bench_times_the_sweep_both_ways(samples, tmp_path_factory):
     models = [Classifier.from_onnx(p) for p in tiny_onnx_models(tmp_path_factory.getbasetemp())]
     timed = measure(models, grey(samples[0].path), SPEC)
     assert 0 < timed["rotation_shown_s"] < timed["staged_s"] and timed["one_batch_s"] > 0
+
+
+def test_model_cards_name_the_engine_each_model_runs_on(tmp_path_factory):
+    """The details' model cards say what computes each model: onnxruntime for a file, eager
+    torch (and its precision) for a checkpoint."""
+    from rstcnn.serve.app import _details
+
+    files = [Classifier.from_onnx(p) for p in tiny_onnx_models(tmp_path_factory.getbasetemp())]
+    eager = files[1]  # as serve.eager labels a checkpoint it runs
+    eager.providers = ["torch-int8"]
+    eager.metadata["rstcnn.precision"] = "int8"
+    text = _details(ModelSet([files[0], eager]), SPEC)
+    cards = [line for line in text.splitlines() if line.startswith("- **")]
+    assert len(cards) == 2
+    assert "runs in float32 (onnxruntime)" in cards[0]
+    assert "runs in int8 (eager torch)" in cards[1]

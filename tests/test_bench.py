@@ -107,20 +107,21 @@ def test_floor_bench_fft_form_is_the_eager_fft_path():
 
 def test_export_bench_times_each_form_and_checks_it_against_eager(capsys):
     from rstcnn.export import bench as export_bench
-    from rstmodel.precision import bf16_supported
+    from rstmodel.precision import bf16_supported, int8_supported
 
-    forms = ["eager", "eager_bf16", "baked", "onnx"]
+    forms = ["eager", "eager_bf16", "eager_int8", "baked", "onnx"]
     argv = ["--models", "cnn", "--forms", *forms, "--batch", "3", "--split", "2", "--repeats", "1"]
     assert export_bench.main(argv) == 0
     out = capsys.readouterr().out
     rows = {r.split(" | ")[1]: r.split(" | ") for r in out.splitlines() if r.startswith("| cnn |")}
-    run = [f for f in forms if f != "eager_bf16" or bf16_supported()]
+    supported = {"eager_bf16": bf16_supported(), "eager_int8": int8_supported()}
+    run = [f for f in forms if supported.get(f, True)]
     assert sorted(rows) == sorted(run)
     for form in run:
         b1, batch, diff = (float(v.strip(" |")) for v in rows[form][2:5])
         assert b1 > 0 and batch > 0
         # float32 forms agree to round-off; bfloat16 to its 8-bit mantissa
-        assert diff < (0.5 if form == "eager_bf16" else 1e-4), (form, diff)
+        assert diff < (0.5 if form in supported else 1e-4), (form, diff)
     assert "| cnn: eager / onnx |" in out
 
 

@@ -6,6 +6,8 @@ norm statistics, so no checkpoint is needed) and each form
     eager    the library model in eval mode (its fastest paths, train-form parameters)
     eager_bf16  the same under bfloat16 autocast (``rstmodel.precision``; only where the
              CPU runs bfloat16 natively)
+    eager_int8  the same with the FFT path's per-frequency products in int8
+             (``inference("int8")``; only where the CPU has AVX512-BF16 and AVX512-VNNI)
     baked    ``export.bake``: plain torch, static convolutions, batch norms folded
     onnx     the exported ONNX file on onnxruntime's CPU provider
 
@@ -36,9 +38,9 @@ import rstmodel
 from rstcnn.export.bake import bake
 from rstcnn.export.onnx_export import export_model
 from rstcnn.train.runtime import use_retaining_allocator
-from rstmodel.precision import bf16_supported, inference
+from rstmodel.precision import bf16_supported, inference, int8_supported
 
-FORMS = ("eager", "eager_bf16", "baked", "onnx")
+FORMS = ("eager", "eager_bf16", "eager_int8", "baked", "onnx")
 DEFAULT_FORMS = ("eager", "baked", "onnx")
 
 
@@ -89,6 +91,7 @@ def runners(model: nn.Module, shape: tuple[int, int, int], threads: int, folder:
     return {
         "eager": torch_form(model),
         "eager_bf16": torch_form(model, "bf16"),
+        "eager_int8": torch_form(model, "int8"),
         "baked": torch_form(baked),
         "onnx": lambda x: session.run(None, {"images": x})[0],
     }
@@ -109,6 +112,9 @@ def measure(name: str, args: argparse.Namespace, folder: Path) -> dict[str, dict
     for form in args.forms:
         if form == "eager_bf16" and not bf16_supported():
             logging.warning("%s: this CPU has no native bfloat16, eager_bf16 not run", name)
+            continue
+        if form == "eager_int8" and not int8_supported():
+            logging.warning("%s: this CPU cannot run int8 products, eager_int8 not run", name)
             continue
         run = forms[form]
         diff = float(np.abs(run(x1) - reference).max())

@@ -651,9 +651,12 @@ def _details(models: ModelSet, spec: SweepSpec) -> str:
         size = "x".join(str(v) for v in clf.input_size)
         accuracy = _accuracy(clf.metadata.get("rstcnn.accuracy"))
         precision = clf.metadata.get("rstcnn.precision", "fp32")
+        engine = (
+            "eager torch" if any(p.startswith("torch") for p in clf.providers) else "onnxruntime"
+        )
         cards.append(
             f"- **{models.display[name]}** (`{name}`): input {size} grey{accuracy}; "
-            f"runs in {'float32' if precision == 'fp32' else precision} (onnxruntime)"
+            f"runs in {'float32' if precision == 'fp32' else precision} ({engine})"
         )
     low, high = spec.scale_range
     return (
@@ -718,9 +721,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--model",
         action="append",
         help=f"ONNX model to serve (repeatable; default: {' '.join(DEFAULT_MODELS)}), or a "
-        "checkpoint (.pt) to serve by eager torch (bfloat16 where it has a passing "
-        "train/precision_check.py --record); of several files of one checkpoint the fastest "
-        "servable one is served",
+        "checkpoint (.pt) to serve by eager torch (int8 products or bfloat16 where it has a "
+        "passing train/precision_check.py [--precision int8] --record); of several files of "
+        "one checkpoint the fastest servable one is served",
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=7860)
