@@ -829,12 +829,20 @@ def test_tuned_conv_times_each_path_once_per_input_shape(monkeypatch):
         conv(x)  # under autocast: timed again, kept apart from the plain calls
         conv(x)
     assert len(timed) == 9 and len(conv._tuned) == 3
+    from rstmodel.precision import inference, int8_supported
+
+    if int8_supported():  # int8 products: timed again, apart from bfloat16 autocast alone
+        with inference("int8"):
+            conv(x)
+            conv(x)
+        assert len(timed) == 12 and len(conv._tuned) == 4
+    count = len(timed)
     expected = conv.forward_direct(x) + conv.bias.view(1, -1, 1, 1, 1, 1)
     assert rel(y, expected) < 1e-10  # the basis path's result
     # training never times: it takes AUTO's choice
     conv.train()
     conv(x)
-    assert len(timed) == 9
+    assert len(timed) == count
 
     fake[ConvMethod.FFT] = 0.5
     lift = LiftingRSTConv(1, 3, SPEC, method=ConvMethod.TUNED).eval()
