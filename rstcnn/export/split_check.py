@@ -21,7 +21,7 @@ predictions are written at once (atomically) to ``OUT.state.npz``, and a second 
 same files and images runs only the images not yet done (whatever its chunk size); other
 files or images start afresh. The float32 eager logits, the dearer half of the work, are kept
 apart in ``--reference`` (default ``eager-logits-CHECKPOINT.npz`` beside ``--out``), so the
-check of a second served copy of the same checkpoint (the int8 file, then the bfloat16 engine)
+check of a second served copy of the same checkpoint (the int8 file, then the eager engine)
 runs the eager model only on the images the first check has not reached.
 Exit 0 when the file is within the gate, 1 when not, 2 on bad input.
 """

@@ -12,8 +12,9 @@ once), once to warm up and then ``repeats`` times each. The one with the smalles
 time at the sweep's batch is served; when another is faster at one image by more than
 ``ROUTE_MARGIN`` (1.25x), the two are served together (``routed``): calls of up to
 ``sqrt(batch)`` images go to the one-image winner, larger ones to the sweep's. (On this
-project's CPU the eager bfloat16 engine, ``serve.eager``, has won sweeps since the fifth
-session and single images too since the tenth, BENCHMARKS.md.) Files of different checkpoints
+project's CPU the eager engine, ``serve.eager``, has won sweeps since the fifth session and
+single images too since the tenth, in bfloat16 and since the seventeenth with int8 products,
+BENCHMARKS.md.) Files of different checkpoints
 are all served, in the order given. With one file per checkpoint nothing is timed.
 
     python serve/app.py --model m.onnx --model m.int8.onnx --model m.fp16.onnx
