@@ -82,6 +82,10 @@ def test_jemalloc_is_preloaded_with_purging_off():
     # a MALLOC_CONF of the user's is kept
     out = run_jemalloc({"RSTCNN_ALLOCATOR": "jemalloc", "MALLOC_CONF": "narenas:2"})
     assert out.stdout.strip() == f"{lib}|narenas:2"
+    # jemalloc preloaded by the user: kept, with the retaining settings unless it has its own
+    assert run_jemalloc({"LD_PRELOAD": lib}).stdout.strip() == f"{lib}|{JEMALLOC_CONF}"
+    out = run_jemalloc({"LD_PRELOAD": lib, "MALLOC_CONF": "narenas:2"})
+    assert out.stdout.strip() == f"{lib}|narenas:2"
 
 
 @pytest.mark.skipif(platform.system() != "Linux", reason="LD_PRELOAD is Linux-only")
