@@ -906,7 +906,12 @@ def test_app_serves_a_checkpoint_beside_its_exported_file(rst_export):
     loaded = _load([str(rst_export[3]), str(rst_export[0])], threads=1)
     assert [c.providers[0] for c in loaded] == ["torch-fp32", "CPUExecutionProvider"]
     served, lines = fastest_variants(loaded, batch=4, repeats=1)
-    assert len(served) == 1 and served[0] in loaded
-    assert sum("served" in line for line in lines) == 1 and len(lines) == 2
+    assert len(served) == 1 and len(lines) == 2
+    verdicts = sorted(line.rsplit(", ", 1)[1] for line in lines)
+    if served[0] in loaded:  # one copy the faster at both sizes
+        assert verdicts == ["served", "slower"]
+    else:  # each the faster at one size (by the timing of the moment): the two routed
+        assert verdicts == ["served", "served for up to 2 images"]
+        assert sorted(served[0].providers) == ["CPUExecutionProvider", "torch-fp32"]
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         _load(["missing.pt"], threads=None)
