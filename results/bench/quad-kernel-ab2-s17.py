@@ -1,14 +1,30 @@
-# usage: python results/bench/quad-kernel-ab2-s17.py (from the repository root, jemalloc preloaded; needs /tmp/q8/v1_full.c = dc6500a:rstmodel/layers/_joined_rows.c and /tmp/q8/basm.c, the bf16 kernel with an embedded broadcast): the first int8 kernel against the one with unsigned spectra and the row quads broadcast inside vpdpbusd; the bf16 kernel as is and with the same broadcast
-import ctypes, subprocess, sys, time, statistics, torch
+# usage: python results/bench/quad-kernel-ab2-s17.py [ROWS] (from the repository root, jemalloc preloaded with MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1):
+# the first int8 kernel (dc6500a's source, by git show) against the current one (unsigned spectra, the row quads broadcast inside vpdpbusd);
+# the bf16 kernel as is and with the same embedded broadcast (the current source with btile's two dot products rewritten);
+# ROWS "rows" runs the row-count comparison (2-16 rows) instead of the batch-8 / batch-1 shapes
+import ctypes, os, subprocess, sys, tempfile, time, statistics, torch
 from rstmodel.layers import native
-def build(src, name):
-    so=f"/tmp/q8/{name}.so"; subprocess.run(["gcc","-O3","-march=native","-shared","-fPIC","-fopenmp","-o",so,src],check=True); return ctypes.CDLL(so)
-old=build("/tmp/q8/v1_full.c","old"); new=build("/work/main/rstmodel/layers/_joined_rows.c","new"); basm=build("/tmp/q8/basm.c","basm")
+work = tempfile.mkdtemp()
+def build(text, name):
+    src = os.path.join(work, name + ".c"); so = os.path.join(work, name + ".so")
+    open(src, "w").write(text)
+    subprocess.run(["gcc","-O3","-march=native","-shared","-fPIC","-fopenmp","-o",so,src],check=True); return ctypes.CDLL(so)
+current = open("rstmodel/layers/_joined_rows.c").read()
+first = subprocess.run(["git","show","dc6500a:rstmodel/layers/_joined_rows.c"],capture_output=True,text=True,check=True).stdout
+before = """      a_re[r] = _mm512_dpbf16_ps(a_re[r], (__m512bh)_mm512_set1_epi32(p_re[r]), w);
+      a_im[r] = _mm512_dpbf16_ps(a_im[r], (__m512bh)_mm512_set1_epi32(p_im[r]), w);"""
+after = """      __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(a_re[r]) : "v"(w), "m"(p_re[r]));
+      __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(a_im[r]) : "v"(w), "m"(p_im[r]));"""
+assert before in current
+old=build(first,"old"); new=build(current,"new"); basm=build(current.replace(before, after),"basm")
 old.quad_rows_product.argtypes=[ctypes.c_void_p]*6+[ctypes.c_long]*5
 new.quad_rows_product.argtypes=[ctypes.c_void_p]*5+[ctypes.c_long]*5
 for l in (new,basm): l.paired_rows_product.argtypes=[ctypes.c_void_p]*4+[ctypes.c_long]*5
 T=torch.get_num_threads(); torch.manual_seed(0)
-for f,m,k,n in [(1260,32,69,135),(462,32,135,204),(1260,4,69,135),(462,4,135,204),(462,8,135,204)]:
+shapes = [(1260,32,69,135),(462,32,135,204),(1260,4,69,135),(462,4,135,204),(462,8,135,204)]
+if sys.argv[1:] == ["rows"]:
+    shapes = [(462,2,135,204),(462,4,135,204),(462,8,135,204),(462,12,135,204),(462,16,135,204),(1260,8,69,135),(1260,16,69,135)]
+for f,m,k,n in shapes:
     xr=torch.randn(f,m,k).bfloat16(); xi=torch.randn(f,m,k).bfloat16()
     gr,gi=torch.randn(f,k,n),torch.randn(f,k,n)
     # old packing: signed quads + corr
