@@ -284,6 +284,10 @@ static inline __attribute__((always_inline)) void qtile(const int *q, const floa
   for (long r = 0; r < g; ++r) a_re[r] = a_im[r] = _mm512_setzero_si512();
   const int *q_re = q + r0 * k2p, *q_im = q + (m + r0) * k2p;
   for (long i = 0; i < k2; ++i, gt += LANES) {
+    /* the spectra stream from memory once per tile: with eight rows or more the dot
+     * products outrun the hardware prefetcher, so ask 48 lanes (3 KB) ahead (0.71-0.92x
+     * the time; at four rows it cost as much as it saved) */
+    if (m >= 8) _mm_prefetch((const char *)(gt + 48 * LANES), _MM_HINT_T0);
     const __m512i w = _mm512_loadu_si512(gt);
 #pragma GCC unroll 8
     for (long r = 0; r < g; ++r) {
