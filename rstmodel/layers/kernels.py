@@ -356,9 +356,10 @@ def real_dft2_rows(
     h, w, nh, nw = shape
     dtype = _compute_dtype(xs)
     dft = _dft_matrices(h, w, nh, nw, dtype, xs.device)
-    if native.small_gemm_gather_available(dft.fwd_w, xs.to(dtype)):
+    src = xs.to(dtype)
+    if native.small_gemm_gather_available(dft.fwd_w, src):
         with torch.autocast(xs.device.type, enabled=False):
-            a = native.small_gemm_gather(dft.fwd_w, xs.to(dtype), index, h)
+            a = native.small_gemm_gather(dft.fwd_w, src, index, h)
         return _forward_along_h(dft, a, shape)
     return _RealDFT2.apply(xs.index_select(0, index).view(h, -1), shape)
 

@@ -33,9 +33,9 @@ instruction's signed operand, broadcast from memory inside it (an inline-assembl
 GCC does not fold the intrinsic's broadcast), so the spectra are stored offset by 128 and
 each row's offset sum is taken off its results. The integer sums are exact;
 they are scaled back and rounded to bfloat16 once, so ``quad_rows_reference`` gives the same
-values with torch. On this project's CPU the kernel takes 0.55-0.77x the bfloat16 one's time
-and the forward 0.79-0.86x; the shipped RST-CNN keeps its float32 accuracy on 1,000 test
-images (BENCHMARKS.md, "Issue 13, seventeenth session").
+values with torch. On this project's CPU the kernel takes 0.54-0.63x the bfloat16 one's time
+at batch 8's shapes and the forward 0.70-0.83x at batches 1-32; the shipped RST-CNN keeps its
+float32 accuracy on 1,000 test images (BENCHMARKS.md, "Issue 13, seventeenth session").
 
 Two more kernels serve eval on the CPU beside them. ``pooled_mix``: the lifting layer's
 channel mixing (each pixel's K basis responses times a ``[Cout, K]`` matrix) and the 2x2
