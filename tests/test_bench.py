@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -139,6 +140,22 @@ def test_floor_bench_products_read_the_spectra_each_layout_needs():
             PRODUCT_LAYOUTS[0]: 3 * complex_pairs,
             PRODUCT_LAYOUTS[1]: 2 * complex_pairs,
             PRODUCT_LAYOUTS[2]: 2 * complex_pairs / 4,
+            PRODUCT_LAYOUTS[3]: 2 * complex_pairs,
+            PRODUCT_LAYOUTS[4]: 2 * complex_pairs / 4,
         }
     )
     assert all(ms > 0 for *_, ms in rows)
+
+
+def test_floor_bench_grouped_products_are_the_batched_products():
+    from rstcnn.export.floor_bench import PRODUCT_LAYOUTS, _timed_run, products_graph
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((6, 8, 3)).astype(np.float32)  # [F, rows, Cin]
+    w = rng.standard_normal((6, 3, 10)).astype(np.float32)  # [F, Cin, N]
+    model, feed = products_graph(PRODUCT_LAYOUTS[3], x, [w])
+    assert feed.shape == (1, 18, 8, 1)
+    got = _timed_run(model, feed, 1)[1].reshape(6, 10, 8)  # [F, N, rows]
+    np.testing.assert_allclose(got.transpose(0, 2, 1), x @ w, rtol=1e-5, atol=1e-5)
+    model, feed = products_graph(PRODUCT_LAYOUTS[1], x, [w])
+    np.testing.assert_allclose(_timed_run(model, feed, 1)[1], x @ w, rtol=1e-5, atol=1e-5)

@@ -18,7 +18,8 @@ the file stays small.
 
 ``--products`` times what bounds the FFT form at batch 1: each layer's per-frequency products
 alone (one MatMul batched over the frequencies of the R/4 base rotations and S scales, the 4
-quarter-turned copies of the image as its rows), in the layouts a graph can give them, beside
+quarter-turned copies of the image as its rows, or a 1x1 Conv with a group per frequency),
+in the layouts a graph can give them, beside
 the machine's memory copy rate. Every weight there is read once per image, so at batch 1 these
 products are bound by reading the filter spectra, not by their multiply-adds.
 
@@ -80,10 +81,10 @@ def _timed_run(model: bytes, x: np.ndarray, repeats: int) -> tuple[float, np.nda
     return float(np.median(times)), out
 
 
-def _conv(x: np.ndarray, w: np.ndarray, pad: int) -> tuple[onnx.NodeProto, list]:
+def _conv(x: np.ndarray, w: np.ndarray, pad: int, group: int = 1) -> tuple[onnx.NodeProto, list]:
     """Conv (float32) or QLinearConv (uint8 x, int8 w) with 'same' padding."""
     if x.dtype != np.uint8:
-        node = helper.make_node("Conv", ["x", "w"], ["y"], pads=[pad] * 4)
+        node = helper.make_node("Conv", ["x", "w"], ["y"], pads=[pad] * 4, group=group)
         return node, [numpy_helper.from_array(w, "w")]
     out = w.shape[0]
     inits = [
@@ -96,7 +97,8 @@ def _conv(x: np.ndarray, w: np.ndarray, pad: int) -> tuple[onnx.NodeProto, list]
         numpy_helper.from_array(np.array(128, np.uint8), "yz"),
     ]
     names = ["x", "xs", "xz", "w", "ws", "wz", "ys", "yz"]
-    return helper.make_node("QLinearConv", names, ["y"], pads=[pad] * 4), inits
+    node = helper.make_node("QLinearConv", names, ["y"], pads=[pad] * 4, group=group)
+    return node, inits
 
 
 def _inputs(shape: Sequence[int], wshape: Sequence[int], int8: bool, rng) -> tuple:
@@ -229,7 +231,28 @@ PRODUCT_LAYOUTS = (
     "float32, three real products (as FFTForm)",
     "float32, real and imaginary rows",
     "int8, real and imaginary rows",
+    "float32, grouped 1x1 Conv",
+    "int8, grouped QLinearConv",
 )
+
+
+def products_graph(layout: str, x: np.ndarray, ws: list[np.ndarray]) -> tuple[bytes, np.ndarray]:
+    """The one-op graph of ``layout`` for rows ``x`` [F, M, Cin] against ``ws`` (each
+    [F, Cin, N]), and its input: a MatMul (MatMulInteger in int8) batched over the F
+    frequencies, or a 1x1 Conv with a group per frequency (QLinearConv in int8), its input
+    [1, F*Cin, M, 1] and weight [F*N, Cin, 1, 1]."""
+    if "grouped" in layout:
+        (w,) = ws
+        f, m, cin = x.shape
+        xg = np.ascontiguousarray(x.transpose(0, 2, 1)).reshape(1, f * cin, m, 1)
+        wg = np.ascontiguousarray(w.transpose(0, 2, 1)).reshape(-1, cin, 1, 1)
+        node, inits = _conv(xg, wg, 0, group=f)
+        return _graph(node, xg, inits), xg
+    int8 = x.dtype == np.uint8
+    op, out_kind = ("MatMulInteger", TensorProto.INT32) if int8 else ("MatMul", TensorProto.FLOAT)
+    nodes = [helper.make_node(op, ["x", f"w{i}"], [f"y{i}"]) for i in range(len(ws))]
+    inits = [numpy_helper.from_array(w, f"w{i}") for i, w in enumerate(ws)]
+    return _graph(nodes, x, inits, [f"y{i}" for i in range(len(ws))], out_kind), x
 
 
 def copy_rate(megabytes: int = 256, repeats: int = 5) -> float:
@@ -252,7 +275,9 @@ def measure_products(repeats: int = 5, layers: dict | None = None) -> list[tuple
     each frequency of the R/4 base rotations and S scales. As FFTForm writes them (three real
     GEMMs, one multiplication saved per complex product) they read three real weight sets;
     with the real and imaginary parts of the block as 8 rows against [Re W | Im W] they read
-    two; int8 (MatMulInteger, uint8 rows) reads the two at a quarter of the bytes."""
+    two; int8 (MatMulInteger, uint8 rows) reads the two at a quarter of the bytes. The
+    grouped layouts compute the same as the rows ones with a 1x1 Conv per frequency
+    (onnxruntime's grouped convolution streams its weights faster than its batched MatMul)."""
     rng = np.random.default_rng(0)
     rows = []
     for name, (cin, cout, side) in (layers or LAYERS).items():
@@ -265,17 +290,12 @@ def measure_products(repeats: int = 5, layers: dict | None = None) -> list[tuple
             if int8:
                 x = rng.integers(0, 256, (freqs, m, cin), dtype=np.uint8)
                 ws = [rng.integers(-127, 128, (freqs, cin, n), dtype=np.int8)]
-                op, out_kind = "MatMulInteger", TensorProto.INT32
             else:
                 x = rng.standard_normal((freqs, m, cin)).astype(np.float32)
                 ws = [rng.standard_normal((freqs, cin, n)).astype(np.float32) for _ in range(sets)]
-                op, out_kind = "MatMul", TensorProto.FLOAT
-            nodes = [helper.make_node(op, ["x", f"w{i}"], [f"y{i}"]) for i in range(len(ws))]
-            inits = [numpy_helper.from_array(w, f"w{i}") for i, w in enumerate(ws)]
-            outs = [f"y{i}" for i in range(len(ws))]
-            model = _graph(nodes, x, inits, outs, out_kind)
+            model, feed = products_graph(layout, x, ws)
             mb = sum(w.nbytes for w in ws) / 1e6
-            rows.append((name, layout, freqs, mb, 1e3 * _seconds(model, x, repeats)))
+            rows.append((name, layout, freqs, mb, 1e3 * _seconds(model, feed, repeats)))
     return rows
 
 
