@@ -454,6 +454,60 @@ def test_pooled_mix_grad_is_the_torch_coefficient_gradient():
         native.pooled_mix_grad(resp.double(), grad, code, w)
 
 
+def test_pooled_mix_train_widens_bfloat16_operands():
+    """Training under bfloat16 autocast: the responses, coefficients and bias widened exactly,
+    the float32 kernel's pooled map rounded once to bfloat16 and its window codes; the torch
+    form's to bfloat16's rounding (it rounds each sum, then the sum plus the bias); the
+    gradient from the widened responses."""
+    from rstmodel.layers.kernels import _pooled_mix_rows
+
+    h, w, m, kk, cout = 6, 8, 3, 12, 37
+    resp = torch.randn(h, w * m, kk).bfloat16()
+    a, bias = torch.randn(cout, kk).bfloat16(), torch.randn(cout).bfloat16()
+    got, code = native.pooled_mix_train(resp, a, bias, True, w)
+    want, want_code = native.pooled_mix_train(resp.float(), a.float(), bias.float(), True, w)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.bfloat16())
+    assert torch.equal(code, want_code)
+    torch_form, _ = _pooled_mix_rows(resp, a, bias, True, w, argmax=True)
+    torch.testing.assert_close(got.float(), torch_form.float(), rtol=2e-2, atol=2e-2)
+    grad = torch.randn(h // 2, w // 2, m, cout)
+    wide = native.pooled_mix_grad(resp.float(), grad, code, w)
+    torch.testing.assert_close(native.pooled_mix_grad(resp, grad, code, w), wide)
+
+
+def test_a_bfloat16_training_step_takes_the_lifting_kernels(monkeypatch):
+    """Under bfloat16 autocast (``--bf16``) the lifting layer's pooled mixing and its
+    coefficients' gradient run compiled, not as thousands of chunked torch ops, and every
+    parameter's gradient is the torch form's to bfloat16's rounding."""
+    from rstmodel import create_model
+    from rstmodel.layers import kernels
+
+    torch.manual_seed(0)
+    model = create_model("rst_cnn_fb", channels=(20, 6, 8)).train()
+    x, y = torch.randn(4, 1, 56, 56), torch.randint(0, 10, (4,))
+    calls = []
+    real = native.pooled_mix_grad
+    monkeypatch.setattr(native, "pooled_mix_grad", lambda *a: calls.append(a[0].dtype) or real(*a))
+
+    def grads():
+        model.zero_grad()
+        torch.manual_seed(1)  # the same dropout mask
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    fast = grads()
+    assert calls == [torch.bfloat16]
+    model.load_state_dict(state)
+    monkeypatch.setattr(kernels.native, "pooled_mix_train_available", lambda *_: False)
+    plain = grads()
+    for name, g in plain.items():
+        err = (fast[name] - g).norm() / g.norm().clamp_min(1e-12)
+        assert err < 0.05, (name, float(err))
+
+
 def test_a_training_step_through_the_lifting_kernels_gives_the_torch_gradients(monkeypatch):
     """A model's training step (float32, CPU): the lifting layer's forward and coefficient
     gradient run through the kernels, and every parameter's gradient is the torch path's to

@@ -22,16 +22,19 @@ class _PooledMix(torch.autograd.Function):
     time (``MIX_CHUNK_ROWS``): neither the full-resolution map nor its gradient is ever
     stored, only the pooled map and a one-byte argmax (4: clamped by the ReLU). Returns
     ``[H/2, W/2, M, Cout]``.
-    (``triton_ops.pooled_mix`` is the same operator in one CUDA kernel each way; on the CPU
-    in float32 ``native.pooled_mix_train`` / ``native.pooled_mix_grad`` are the forward and
-    the coefficients' gradient in one compiled pass each.)"""
+    (``triton_ops.pooled_mix`` is the same operator in one CUDA kernel each way; on the CPU,
+    in float32 and under bfloat16 autocast, ``native.pooled_mix_train`` /
+    ``native.pooled_mix_grad`` are the forward and the coefficients' gradient in one compiled
+    pass each.)"""
 
     @staticmethod
     def forward(ctx, resp: Tensor, a: Tensor, bias: Tensor | None, relu: bool, w: int):
         keep = any(ctx.needs_input_grad[:3])
         ctx.dtypes = a.dtype, None if bias is None else bias.dtype
-        if keep and native.pooled_mix_train_available(resp, a):  # compiled, CPU float32
-            out, idx = native.pooled_mix_train(resp, a, bias, relu, w)
+        if keep and native.pooled_mix_train_available(resp, a):  # compiled, CPU
+            # the coefficients and bias rounded to the responses' dtype, as autocast would
+            b = None if bias is None else bias.to(resp.dtype)
+            out, idx = native.pooled_mix_train(resp, a.to(resp.dtype), b, relu, w)
         else:
             out, idx = _pooled_mix_rows(resp, a, bias, relu, w, keep)
         if keep:

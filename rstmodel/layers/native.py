@@ -499,33 +499,43 @@ def _pooled_mix(
     return out, code
 
 
+_TRAIN_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def pooled_mix_train_available(resp: Tensor, a: Tensor) -> bool:
     """Whether ``pooled_mix_train`` and ``pooled_mix_grad`` serve the training forward and
-    the coefficients' gradient of ``kernels._PooledMix``: float32 on the CPU, the kernels
-    built here."""
+    the coefficients' gradient of ``kernels._PooledMix``: float32 or bfloat16 (autocast) on
+    the CPU, the kernels built here."""
     lib = _library() if resp.device.type == a.device.type == "cpu" else None
-    return lib is not None and resp.dtype == a.dtype == torch.float32 and a.dim() == 2
+    dtypes_ok = resp.dtype in _TRAIN_DTYPES and a.dtype in _TRAIN_DTYPES
+    return lib is not None and dtypes_ok and a.dim() == 2
 
 
 def pooled_mix_train(
     resp: Tensor, a: Tensor, bias: Tensor | None, relu: bool, w: int
 ) -> tuple[Tensor, Tensor]:
-    """``kernels._pooled_mix_rows(resp, a, bias, relu, w, argmax=True)`` in one pass,
-    float32: the pooled map ``[H/2, W/2, M, Cout]`` (the same sums in the same order) and
-    the one-byte window position that won each output (``kernels._pool_quads``' code, 4
-    where the ReLU clamps)."""
+    """``kernels._pooled_mix_rows(resp, a, bias, relu, w, argmax=True)`` in one pass: the
+    pooled map ``[H/2, W/2, M, Cout]`` in ``resp``'s dtype and the one-byte window position
+    that won each output (``kernels._pool_quads``' code, 4 where the ReLU clamps). The
+    float32 kernel: the same sums in the same order as there; bfloat16 operands are widened
+    exactly, summed in float32 and the pooled map rounded once (the torch form rounds each
+    sum to bfloat16, then adds the bias and rounds again)."""
     if not pooled_mix_train_available(resp, a):
-        raise ValueError(f"float32 on the CPU only, not {resp.dtype} / {a.dtype}")
-    return _pooled_mix(resp, a, bias, relu, w, argmax=True)
+        raise ValueError(f"float32 or bfloat16 on the CPU only, not {resp.dtype} / {a.dtype}")
+    wide = [None if t is None else t.float() for t in (resp, a, bias)]
+    out, code = _pooled_mix(*wide, relu, w, argmax=True)
+    return out.to(resp.dtype), code
 
 
 def pooled_mix_grad(resp: Tensor, grad: Tensor, code: Tensor, w: int) -> Tensor:
     """The coefficients' gradient ``[Cout, KK]`` (float32) of ``pooled_mix_train``'s map from
     its gradient ``grad`` ``[H/2, W/2, M, Cout]`` and ``code``: each pooled output's gradient
     times the responses of the pixel that won it, summed (``kernels._pooled_mix_grads``'
-    grad_a, without the full-resolution gradient map)."""
+    grad_a, without the full-resolution gradient map). bfloat16 responses are widened."""
     h, wm, kk = resp.shape
     m, cout = wm // w, grad.shape[-1]
+    if resp.dtype == torch.bfloat16:
+        resp = resp.float()
     if (
         resp.dtype != torch.float32
         or grad.dtype != torch.float32
@@ -534,7 +544,7 @@ def pooled_mix_grad(resp: Tensor, grad: Tensor, code: Tensor, w: int) -> Tensor:
         or code.shape != grad.shape
     ):
         raise ValueError(
-            f"float32 responses {tuple(resp.shape)} and a float32 gradient and byte code "
+            f"float32 or bfloat16 responses {tuple(resp.shape)} and a float32 gradient and byte code "
             f"[{h // 2}, {w // 2}, {m}, Cout] only"
         )
     tiles = -(-cout // TILE)
