@@ -848,3 +848,86 @@ int small_gemm_pool_scatter_bf16(const int *a, const unsigned short *b, unsigned
   return pool_rows(a, b, out, dst, seg, h, w, k, n, relu, threads);
 }
 #endif
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+/* The batch norm's column sums over [N, C] rows (channels innermost), in one pass:
+ *   g == NULL:  s[c] = sum_n (x - k[c]),  s[C + c] = sum_n (x - k[c])^2
+ *   g != NULL:  s[c] = sum_n g,           s[C + c] = sum_n g (x - k[c])
+ * x and g float32 (bf16 == 0) or bfloat16 (bf16 == 1, widened exactly). Blocks of SROWS rows
+ * are summed in float32 in registers, 16 columns at a time (a block's rows stay in cache for
+ * the next 16), the blocks added in float64 per thread and the threads' partials at the end
+ * into s (float64, 2C, zeroed by the caller). The shift k (a value near each column's mean)
+ * keeps the one-pass variance free of cancellation. */
+#define SROWS 256
+
+static inline __attribute__((always_inline)) __m512 row16(const void *p, long i, long bf16,
+                                                          __mmask16 m) {
+  if (bf16) {
+    const __m256i h = _mm256_maskz_loadu_epi16(m, (const unsigned short *)p + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  return _mm512_maskz_loadu_ps(m, (const float *)p + i);
+}
+
+static void stat_block(const void *x, const void *g, const float *k, double *s, long r0,
+                       long r1, long c, long bf16) {
+  for (long j = 0; j < c; j += 16) {
+    const __mmask16 m = c - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (c - j)) - 1);
+    const __m512 kk = _mm512_maskz_loadu_ps(m, k + j);
+    __m512 a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps();
+    __m512 b1 = _mm512_setzero_ps(), b2 = _mm512_setzero_ps();
+    long r = r0;
+    if (g) {
+      for (; r + 1 < r1; r += 2) {
+        const __m512 d0 = _mm512_sub_ps(row16(x, r * c + j, bf16, m), kk);
+        const __m512 d1 = _mm512_sub_ps(row16(x, (r + 1) * c + j, bf16, m), kk);
+        const __m512 g0 = row16(g, r * c + j, bf16, m), g1 = row16(g, (r + 1) * c + j, bf16, m);
+        a1 = _mm512_add_ps(a1, g0), b1 = _mm512_add_ps(b1, g1);
+        a2 = _mm512_fmadd_ps(g0, d0, a2), b2 = _mm512_fmadd_ps(g1, d1, b2);
+      }
+      for (; r < r1; ++r) {
+        const __m512 d0 = _mm512_sub_ps(row16(x, r * c + j, bf16, m), kk);
+        const __m512 g0 = row16(g, r * c + j, bf16, m);
+        a1 = _mm512_add_ps(a1, g0), a2 = _mm512_fmadd_ps(g0, d0, a2);
+      }
+    } else {
+      for (; r + 1 < r1; r += 2) {
+        const __m512 d0 = _mm512_sub_ps(row16(x, r * c + j, bf16, m), kk);
+        const __m512 d1 = _mm512_sub_ps(row16(x, (r + 1) * c + j, bf16, m), kk);
+        a1 = _mm512_add_ps(a1, d0), b1 = _mm512_add_ps(b1, d1);
+        a2 = _mm512_fmadd_ps(d0, d0, a2), b2 = _mm512_fmadd_ps(d1, d1, b2);
+      }
+      for (; r < r1; ++r) {
+        const __m512 d0 = _mm512_sub_ps(row16(x, r * c + j, bf16, m), kk);
+        a1 = _mm512_add_ps(a1, d0), a2 = _mm512_fmadd_ps(d0, d0, a2);
+      }
+    }
+    float t1[16], t2[16];
+    _mm512_storeu_ps(t1, _mm512_add_ps(a1, b1));
+    _mm512_storeu_ps(t2, _mm512_add_ps(a2, b2));
+    const long width = c - j < 16 ? c - j : 16;
+    for (long l = 0; l < width; ++l) s[j + l] += t1[l], s[c + j + l] += t2[l];
+  }
+}
+
+int column_stats(const void *x, const void *g, const float *k, double *s, long n, long c,
+                 long bf16, long threads) {
+  if (n < 1 || c < 1 || threads < 1) return 1;
+  const long blocks = (n + SROWS - 1) / SROWS;
+  double *part = calloc((size_t)(threads * 2 * c), sizeof(double));
+  if (!part) return 2;
+#pragma omp parallel num_threads(threads)
+  {
+    double *mine = part + omp_get_thread_num() * 2 * c;
+#pragma omp for schedule(dynamic, chunk_size(blocks, threads))
+    for (long b = 0; b < blocks; ++b) {
+      const long r0 = b * SROWS, r1 = r0 + SROWS < n ? r0 + SROWS : n;
+      stat_block(x, g, k, mine, r0, r1, c, bf16);
+    }
+  }
+  for (long t = 0; t < threads; ++t)
+    for (long i = 0; i < 2 * c; ++i) s[i] += part[t * 2 * c + i];
+  free(part);
+  return 0;
+}
+#endif

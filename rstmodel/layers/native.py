@@ -116,6 +116,8 @@ __all__ = [
     "pooled_mix_train_available",
     "pooled_mix_train",
     "pooled_mix_grad",
+    "column_stats_available",
+    "column_stats",
     "small_gemm_available",
     "small_gemm",
     "small_gemm_gather_available",
@@ -195,6 +197,9 @@ def _library() -> ctypes.CDLL | None:
     lib.pooled_mix_grad_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 6
     lib.pooled_mix_grad_f32.restype = ctypes.c_int
     lib.pooled_mix_f32.restype = ctypes.c_int
+    if hasattr(lib, "column_stats"):  # built where the CPU has AVX512-BW and -VL
+        lib.column_stats.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4
+        lib.column_stats.restype = ctypes.c_int
     if hasattr(lib, "paired_rows_product"):  # built where the CPU has AVX512-BF16
         fn = lib.paired_rows_product
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
@@ -556,6 +561,44 @@ def pooled_mix_grad(resp: Tensor, grad: Tensor, code: Tensor, w: int) -> Tensor:
         raise ValueError(f"no 2x2 window in {h} x {w}")
     # [tiles, K, 16] -> [Cout, K]
     return partial.sum(0).transpose(1, 2).reshape(tiles * TILE, kk)[:cout].contiguous()
+
+
+def column_stats_available(x: Tensor, g: Tensor | None = None) -> bool:
+    """Whether ``column_stats`` serves ``x`` (and ``g``): [N, C] float32 or bfloat16 on the
+    CPU (``g`` of the same shape and dtype), the kernel built here."""
+    lib = _library() if x.device.type == "cpu" else None
+    return (
+        lib is not None
+        and hasattr(lib, "column_stats")
+        and x.dim() == 2
+        and x.dtype in _TRAIN_DTYPES
+        and (g is None or (g.shape == x.shape and g.dtype == x.dtype and g.device == x.device))
+    )
+
+
+def column_stats(x: Tensor, shift: Tensor, g: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The batch norm's column sums over the rows of ``x`` [N, C] in one pass, float64 [C]
+    each: ``(sum (x - shift), sum (x - shift)^2)``, or with ``g`` ``(sum g, sum g (x -
+    shift))``. ``shift`` [C] (float32 in the kernel): near each column's mean, the one-pass
+    variance loses no digits. Blocks of 256 rows are summed in float32 and added in float64
+    (``_RowBatchNorm``'s torch form: chunks of 16,384 rows by a float32 GEMV)."""
+    if not column_stats_available(x, g):
+        raise ValueError(
+            f"[N, C] float32 or bfloat16 on the CPU only, not {tuple(x.shape)} {x.dtype}"
+        )
+    n, c = x.shape
+    x = x.detach().contiguous()
+    g = None if g is None else g.detach().contiguous()
+    k = shift.detach().to(torch.float32).contiguous()
+    if k.shape != (c,):
+        raise ValueError(f"the shift is [{c}], not {tuple(k.shape)}")
+    out = torch.zeros(2, c, dtype=torch.float64)
+    threads = max(1, torch.get_num_threads())
+    gp = None if g is None else g.data_ptr()
+    bf16 = int(x.dtype == torch.bfloat16)
+    if _library().column_stats(x.data_ptr(), gp, k.data_ptr(), out.data_ptr(), n, c, bf16, threads):
+        raise ValueError(f"no rows to sum in {tuple(x.shape)}")
+    return out[0], out[1]
 
 
 SMALL_GEMM_MAX_K = 512  # the kernel's buffer of paired rows (KMAX)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from . import native
 from .common import is_spatial_major
 
 __all__ = ["RSTBatchNorm"]
@@ -73,6 +74,9 @@ class RSTBatchNorm(nn.BatchNorm3d):
 # innermost runs at ~1 GB/s on the CPU (a 1.6M x 69 float32 map: 435 ms, in chunks 39 ms;
 # BENCHMARKS.md, "Issue 13, twelfth session").
 STAT_CHUNK_ROWS = 16384
+# Rows whose mean shifts the compiled one-pass statistics (``native.column_stats``): close
+# enough to the batch's mean that the variance's shifted sums lose no digits.
+SHIFT_ROWS = 4096
 
 
 def _column_sums(term, *maps: Tensor) -> Tensor:
@@ -94,17 +98,24 @@ class _RowBatchNorm(torch.autograd.Function):
     """Training-mode batch norm of [N, C] rows (channels innermost): y = (x - mean) rstd
     weight + bias with the batch's biased statistics, returned beside y (float32; float64
     for float64 x; not differentiable). Statistics in two chunked passes (mean, then the
-    centred squares: no cancellation), y in x's dtype; the backward reduces the gradient
-    the same way and writes the input's gradient in one expression, per channel
-    ``A g + B x + C``."""
+    centred squares: no cancellation), or on the CPU in float32 and bfloat16 in one compiled
+    pass of sums shifted by the first rows' mean (``native.column_stats``); y in x's dtype;
+    the backward reduces the gradient the same way (its two sums in one pass) and writes the
+    input's gradient in one expression, per channel ``A g + B x + C``."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float):
         n = x.shape[0]
         stat = torch.float64 if x.dtype == torch.float64 else torch.float32
-        mean = _column_sums(lambda c: c, x) / n
-        centre = mean.to(stat)
-        var = _column_sums(lambda c: (c - centre).square(), x) / n
+        if native.column_stats_available(x):  # compiled: one pass, a shift near the mean
+            shift = x[:SHIFT_ROWS].float().mean(0)
+            s1, s2 = native.column_stats(x, shift)
+            d = s1 / n
+            mean, var = shift.double() + d, (s2 / n - d * d).clamp_min(0)
+        else:
+            mean = _column_sums(lambda c: c, x) / n
+            centre = mean.to(stat)
+            var = _column_sums(lambda c: (c - centre).square(), x) / n
         mean, var = mean.to(stat), var.to(stat)
         rstd = torch.rsqrt(var + eps)
         scale = rstd if weight is None else rstd * weight.to(stat)
@@ -119,9 +130,13 @@ class _RowBatchNorm(torch.autograd.Function):
         x, mean, rstd, weight = ctx.saved_tensors
         n = x.shape[0]
         stat = mean.dtype
-        sum_g = _column_sums(lambda c: c, g).to(stat)
-        # sum of g times the normalised input: the weight's gradient
-        sum_gx = _column_sums(lambda gc, xc: gc * (xc - mean), g, x).to(stat) * rstd
+        if native.column_stats_available(x, g):  # compiled: both sums in one pass
+            sum_g, sum_gxc = native.column_stats(x, mean, g)
+            sum_g, sum_gxc = sum_g.to(stat), sum_gxc.to(stat)
+        else:
+            sum_g = _column_sums(lambda c: c, g).to(stat)
+            sum_gxc = _column_sums(lambda gc, xc: gc * (xc - mean), g, x).to(stat)
+        sum_gx = sum_gxc * rstd  # sum of g times the normalised input: the weight's gradient
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             a = rstd if weight is None else rstd * weight.to(stat)
