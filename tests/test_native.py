@@ -595,6 +595,62 @@ def test_row_batch_norm_through_the_column_kernel_is_its_torch_form(dtype, monke
         torch.testing.assert_close(f.float(), p.float(), rtol=tol, atol=tol, msg=name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("relu", [True, False])
+def test_pool2x2_is_the_torch_pool_bit_for_bit(dtype, relu):
+    """The compiled 2x2 pool of [H, W, L] rows: ``_pool_quads``' maxima and window codes
+    exactly (ties: the first in scan order; 4 where the ReLU clamps), L past one 16-lane
+    tile; its gradient ``_unpool_quads``' exactly."""
+    from rstmodel.layers.pooling import _pool_quads, _unpool_quads
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 8, 37).to(dtype)
+    x[:, 1::2] = torch.where(torch.rand(6, 4, 37) < 0.3, x[:, 0::2], x[:, 1::2])  # ties
+    x[1::2] = torch.where(torch.rand(3, 8, 37) < 0.3, x[0::2], x[1::2])
+    out, code = native.pool2x2(x, relu, argmax=True)
+    quads = [x[i::2, j::2] for i in (0, 1) for j in (0, 1)]
+    want, want_code = _pool_quads(*quads, relu=relu, argmax=True)
+    assert torch.equal(out, want) and torch.equal(code, want_code)
+    assert set(code.unique().tolist()) == ({0, 1, 2, 3, 4} if relu else {0, 1, 2, 3})
+    assert native.pool2x2(x, relu, argmax=False)[1] is None
+    grad = torch.randn(3, 4, 37).to(dtype)
+    want_gx = torch.full_like(x, float("nan"))
+    _unpool_quads(grad, code, [want_gx[i::2, j::2] for i in (0, 1) for j in (0, 1)])
+    assert torch.equal(native.unpool2x2(grad, code), want_gx)
+    assert not native.pool2x2_available(torch.randn(5, 8, 3))  # odd H
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rst_max_pool_of_spatial_major_maps_takes_the_kernel(dtype, monkeypatch):
+    """``RSTMaxPool`` on a spatial-major feature map (the FFT path's layout) runs compiled,
+    forward and backward, with the torch form's output and gradient exactly, in the same
+    layout; any other layout keeps the torch form."""
+    from rstmodel.layers import RSTMaxPool
+    from rstmodel.layers.common import is_spatial_major
+
+    torch.manual_seed(0)
+    x0 = torch.randn(3, 5, 8, 2, 6, 6).to(dtype)
+    x0 = x0.permute(4, 5, 2, 3, 0, 1).contiguous().permute(4, 5, 2, 3, 0, 1)
+    grad = torch.randn(3, 5, 8, 2, 3, 3).to(dtype)
+    calls = []
+    real = native.pool2x2
+    monkeypatch.setattr(native, "pool2x2", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def run():
+        x = x0.detach().requires_grad_(True)
+        y = RSTMaxPool(relu=True)(x)
+        y.backward(grad)
+        return y, x.grad
+
+    RSTMaxPool(relu=True)(x0.contiguous())
+    assert not calls  # channels-first: the torch form
+    y, gx = run()
+    assert calls and is_spatial_major(y) and is_spatial_major(gx)
+    monkeypatch.setattr(native, "pool2x2_available", lambda *_: False)
+    y_ref, gx_ref = run()
+    assert torch.equal(y, y_ref) and torch.equal(gx, gx_ref)
+
+
 def test_pooled_mix_says_what_it_cannot_take():
     resp = torch.randn(4, 6 * 2, 12)
     with pytest.raises(ValueError, match="do not fit 5 columns"):

@@ -931,3 +931,78 @@ int column_stats(const void *x, const void *g, const float *k, double *s, long n
   return 0;
 }
 #endif
+
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+/* 2x2 max-pool of spatial-major maps x [H, W, L] -> out [H/2, W/2, L] (a window's four
+ * positions are four contiguous runs of L values), the ReLU after it if relu, and, where
+ * code is given, the window position that won each output: kernels._pool_quads' code (scan
+ * order, the first of equal values wins; 4 where the ReLU clamps). float32 (bf16 == 0) or
+ * bfloat16 (bf16 == 1: widened exactly to compare, the winner written back as it was). */
+static inline __attribute__((always_inline)) __m512 lanes16(const void *p, long i, long bf16,
+                                                            __mmask16 m) {
+  return row16(p, i, bf16, m);
+}
+
+static inline __attribute__((always_inline)) void store16(void *p, long i, long bf16,
+                                                          __mmask16 m, __m512 v) {
+  if (bf16) { /* a widened bfloat16 (or zero): its top half is the value */
+    const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
+    _mm256_mask_storeu_epi16((unsigned short *)p + i, m, h);
+  } else {
+    _mm512_mask_storeu_ps((float *)p + i, m, v);
+  }
+}
+
+int pool2x2(const void *x, void *out, unsigned char *code, long h, long w, long l, long relu,
+            long bf16, long threads) {
+  if (h < 2 || w < 2 || h % 2 || w % 2 || l < 1 || threads < 1) return 1;
+  const long half = w / 2, wins = (h / 2) * half, lanes = (l + 15) / 16;
+  const long units = wins * lanes, chunk = chunk_size(units, threads);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
+  for (long u = 0; u < units; ++u) {
+    const long win = u / lanes, i = (u % lanes) * 16, y = 2 * (win / half), xx = 2 * (win % half);
+    const __mmask16 m = l - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (l - i)) - 1);
+    const long b0 = (y * w + xx) * l + i, b2 = ((y + 1) * w + xx) * l + i;
+    const __m512 p0 = lanes16(x, b0, bf16, m), p1 = lanes16(x, b0 + l, bf16, m);
+    const __m512 p2 = lanes16(x, b2, bf16, m), p3 = lanes16(x, b2 + l, bf16, m);
+    const __m512 top = _mm512_max_ps(p0, p1), bottom = _mm512_max_ps(p2, p3);
+    __m512 v = _mm512_max_ps(top, bottom);
+    const __mmask16 clamped = relu ? _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LE_OQ) : 0;
+    if (relu) v = _mm512_maskz_mov_ps((__mmask16)~clamped, v);
+    store16(out, win * l + i, bf16, m, v);
+    if (code) {
+      const __mmask16 low = _mm512_cmp_ps_mask(bottom, top, _CMP_GT_OQ);
+      const __mmask16 right = (_mm512_cmp_ps_mask(p3, p2, _CMP_GT_OQ) & low) |
+                              (_mm512_cmp_ps_mask(p1, p0, _CMP_GT_OQ) & (__mmask16)~low);
+      __m512i c = _mm512_maskz_mov_epi32(low, _mm512_set1_epi32(2));
+      c = _mm512_mask_add_epi32(c, right, c, _mm512_set1_epi32(1));
+      c = _mm512_mask_mov_epi32(c, clamped, _mm512_set1_epi32(4));
+      _mm_mask_storeu_epi8(code + win * l + i, m, _mm512_cvtepi32_epi8(c));
+    }
+  }
+  return 0;
+}
+
+/* The gradient of pool2x2: grad [H/2, W/2, L] into the window position code names in
+ * gx [H, W, L], zeros at the other three (at all four where code is 4). */
+int unpool2x2(const void *grad, const unsigned char *code, void *gx, long h, long w, long l,
+              long bf16, long threads) {
+  if (h < 2 || w < 2 || h % 2 || w % 2 || l < 1 || threads < 1) return 1;
+  const long half = w / 2, wins = (h / 2) * half, lanes = (l + 15) / 16;
+  const long units = wins * lanes, chunk = chunk_size(units, threads);
+#pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
+  for (long u = 0; u < units; ++u) {
+    const long win = u / lanes, i = (u % lanes) * 16, y = 2 * (win / half), xx = 2 * (win % half);
+    const __mmask16 m = l - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (l - i)) - 1);
+    const __m512 g = lanes16(grad, win * l + i, bf16, m);
+    const __m128i c = _mm_maskz_loadu_epi8(m, code + win * l + i);
+    const long at[4] = {(y * w + xx) * l + i, (y * w + xx + 1) * l + i,
+                        ((y + 1) * w + xx) * l + i, ((y + 1) * w + xx + 1) * l + i};
+    for (int q = 0; q < 4; ++q) {
+      const __mmask16 won = _mm_cmpeq_epi8_mask(c, _mm_set1_epi8((char)q));
+      store16(gx, at[q], bf16, m, _mm512_maskz_mov_ps(won, g));
+    }
+  }
+  return 0;
+}
+#endif

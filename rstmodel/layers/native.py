@@ -118,6 +118,9 @@ __all__ = [
     "pooled_mix_grad",
     "column_stats_available",
     "column_stats",
+    "pool2x2_available",
+    "pool2x2",
+    "unpool2x2",
     "small_gemm_available",
     "small_gemm",
     "small_gemm_gather_available",
@@ -200,6 +203,10 @@ def _library() -> ctypes.CDLL | None:
     if hasattr(lib, "column_stats"):  # built where the CPU has AVX512-BW and -VL
         lib.column_stats.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4
         lib.column_stats.restype = ctypes.c_int
+        lib.pool2x2.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 6
+        lib.pool2x2.restype = ctypes.c_int
+        lib.unpool2x2.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5
+        lib.unpool2x2.restype = ctypes.c_int
     if hasattr(lib, "paired_rows_product"):  # built where the CPU has AVX512-BF16
         fn = lib.paired_rows_product
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
@@ -599,6 +606,60 @@ def column_stats(x: Tensor, shift: Tensor, g: Tensor | None = None) -> tuple[Ten
     if _library().column_stats(x.data_ptr(), gp, k.data_ptr(), out.data_ptr(), n, c, bf16, threads):
         raise ValueError(f"no rows to sum in {tuple(x.shape)}")
     return out[0], out[1]
+
+
+def pool2x2_available(x: Tensor) -> bool:
+    """Whether ``pool2x2`` (and ``unpool2x2`` for its gradient) serve ``x`` [H, W, L]:
+    float32 or bfloat16 on the CPU, contiguous, even H and W, the kernels built here."""
+    lib = _library() if x.device.type == "cpu" else None
+    return (
+        lib is not None
+        and hasattr(lib, "pool2x2")
+        and x.dim() == 3
+        and x.dtype in _TRAIN_DTYPES
+        and x.is_contiguous()
+        and x.shape[0] % 2 == 0
+        and x.shape[1] % 2 == 0
+    )
+
+
+def pool2x2(x: Tensor, relu: bool, argmax: bool) -> tuple[Tensor, Tensor | None]:
+    """``pooling._pool_quads`` of spatial-major maps in one pass: x [H, W, L] -> the maximum
+    of each 2x2 window [H/2, W/2, L] (through the ReLU if ``relu``) and, with ``argmax``,
+    the window position that won each output as a byte (scan order, the first of equal
+    values winning; 4 where the ReLU clamps). The same values: a maximum is one of its
+    inputs, so bfloat16 loses nothing."""
+    if not pool2x2_available(x):
+        raise ValueError(
+            f"contiguous [H, W, L] float32 or bfloat16 with even H, W, not {tuple(x.shape)} {x.dtype}"
+        )
+    h, w, n = x.shape
+    x = x.detach()
+    out = x.new_empty(h // 2, w // 2, n)
+    code = torch.empty(out.shape, dtype=torch.uint8) if argmax else None
+    threads = max(1, torch.get_num_threads())
+    cp = None if code is None else code.data_ptr()
+    bf16 = int(x.dtype == torch.bfloat16)
+    _library().pool2x2(x.data_ptr(), out.data_ptr(), cp, h, w, n, int(relu), bf16, threads)
+    return out, code
+
+
+def unpool2x2(grad: Tensor, code: Tensor) -> Tensor:
+    """The gradient of ``pool2x2``: grad [H/2, W/2, L] into the window position ``code``
+    names, zeros at the other three (at all four where the code is 4): [H, W, L]."""
+    hh, ww, n = grad.shape
+    if code.shape != grad.shape or code.dtype != torch.uint8 or grad.dtype not in _TRAIN_DTYPES:
+        raise ValueError(
+            f"a float32 or bfloat16 gradient and its byte code, not {grad.dtype} / {code.dtype}"
+        )
+    grad, code = grad.detach().contiguous(), code.contiguous()
+    gx = grad.new_empty(2 * hh, 2 * ww, n)
+    threads = max(1, torch.get_num_threads())
+    bf16 = int(grad.dtype == torch.bfloat16)
+    _library().unpool2x2(
+        grad.data_ptr(), code.data_ptr(), gx.data_ptr(), 2 * hh, 2 * ww, n, bf16, threads
+    )
+    return gx
 
 
 SMALL_GEMM_MAX_K = 512  # the kernel's buffer of paired rows (KMAX)

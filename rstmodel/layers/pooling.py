@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from . import native
 from .common import is_spatial_major
 
 __all__ = ["RSTMaxPool", "GroupMaxPool"]
@@ -63,11 +64,36 @@ def _unpool_quads(grad: Tensor, idx: Tensor, quads: list[Tensor] | tuple[Tensor,
         torch.mul(grad, (onehot >> d) & 1, out=quad)
 
 
+def _spatial_rows(x: Tensor) -> Tensor | None:
+    """A spatial-major feature map [B, C, R, S, H, W] as the [H, W, R*S*B*C] rows that
+    ``native.pool2x2`` takes, where it takes them (else None)."""
+    if not is_spatial_major(x):
+        return None
+    mem = x.permute(4, 5, 2, 3, 0, 1)
+    rows = mem.reshape(mem.shape[0], mem.shape[1], -1)
+    return rows if native.pool2x2_available(rows) else None
+
+
+def _from_rows(rows: Tensor, like: Tensor) -> Tensor:
+    """[H', W', R*S*B*C] rows back as a spatial-major [B, C, R, S, H', W'] map (a view)."""
+    b, c, r, s = like.shape[:4]
+    return rows.view(*rows.shape[:2], r, s, b, c).permute(4, 5, 2, 3, 0, 1)
+
+
 class _MaxPoolReLU(torch.autograd.Function):
-    """relu(max over 2x2 windows) of [N, H, W] planes; saves a uint8 argmax, not int64."""
+    """relu(max over 2x2 windows) of [N, H, W] planes; saves a uint8 argmax, not int64.
+    Spatial-major feature maps on the CPU take one compiled pass each way
+    (``native.pool2x2``, ``native.unpool2x2``: the same values and window codes)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, relu: bool) -> Tensor:
+        rows = _spatial_rows(x)
+        if rows is not None:
+            out, code = native.pool2x2(rows, relu, argmax=ctx.needs_input_grad[0])
+            if code is not None:
+                ctx.save_for_backward(code)
+                ctx.layout = (x.shape, "rows")
+            return _from_rows(out, x)
         h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2
         quads = [x[..., i:h:2, j:w:2] for i in (0, 1) for j in (0, 1)]
         m, idx = _pool_quads(*quads, relu=relu, argmax=ctx.needs_input_grad[0])
@@ -83,6 +109,9 @@ class _MaxPoolReLU(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         (idx,) = ctx.saved_tensors
         shape, stride = ctx.layout
+        if stride == "rows":  # the compiled pool's codes, [H/2, W/2, R*S*B*C]
+            g = grad.permute(4, 5, 2, 3, 0, 1).reshape(idx.shape)
+            return _from_rows(native.unpool2x2(g, idx), grad), None
         h, w = idx.shape[-2] * 2, idx.shape[-1] * 2
         # the input's own memory layout; every 2x2 position is written, so no zero fill
         if stride is None:
