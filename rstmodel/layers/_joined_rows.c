@@ -938,9 +938,18 @@ int column_stats(const void *x, const void *g, const float *k, double *s, long n
  * code is given, the window position that won each output: kernels._pool_quads' code (scan
  * order, the first of equal values wins; 4 where the ReLU clamps). float32 (bf16 == 0) or
  * bfloat16 (bf16 == 1: widened exactly to compare, the winner written back as it was). */
-static inline __attribute__((always_inline)) __m512 lanes16(const void *p, long i, long bf16,
-                                                            __mmask16 m) {
-  return row16(p, i, bf16, m);
+/* Unit u of a pass over the 2x2 windows, 16 values of L at a time: the window, its top-left
+ * pixel (y, x), the offset i in L and the lanes' mask. */
+typedef struct {
+  long win, i, y, x;
+  __mmask16 m;
+} wlanes_t;
+
+static inline __attribute__((always_inline)) wlanes_t window_lanes(long u, long lanes, long w,
+                                                                   long l) {
+  const long win = u / lanes, i = (u % lanes) * 16, half = w / 2;
+  const __mmask16 m = l - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (l - i)) - 1);
+  return (wlanes_t){win, i, 2 * (win / half), 2 * (win % half), m};
 }
 
 static inline __attribute__((always_inline)) void store16(void *p, long i, long bf16,
@@ -956,15 +965,16 @@ static inline __attribute__((always_inline)) void store16(void *p, long i, long 
 int pool2x2(const void *x, void *out, unsigned char *code, long h, long w, long l, long relu,
             long bf16, long threads) {
   if (h < 2 || w < 2 || h % 2 || w % 2 || l < 1 || threads < 1) return 1;
-  const long half = w / 2, wins = (h / 2) * half, lanes = (l + 15) / 16;
-  const long units = wins * lanes, chunk = chunk_size(units, threads);
+  const long lanes = (l + 15) / 16, units = (h / 2) * (w / 2) * lanes;
+  const long chunk = chunk_size(units, threads);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
   for (long u = 0; u < units; ++u) {
-    const long win = u / lanes, i = (u % lanes) * 16, y = 2 * (win / half), xx = 2 * (win % half);
-    const __mmask16 m = l - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (l - i)) - 1);
-    const long b0 = (y * w + xx) * l + i, b2 = ((y + 1) * w + xx) * l + i;
-    const __m512 p0 = lanes16(x, b0, bf16, m), p1 = lanes16(x, b0 + l, bf16, m);
-    const __m512 p2 = lanes16(x, b2, bf16, m), p3 = lanes16(x, b2 + l, bf16, m);
+    const wlanes_t t = window_lanes(u, lanes, w, l);
+    const long win = t.win, i = t.i;
+    const __mmask16 m = t.m;
+    const long b0 = (t.y * w + t.x) * l + i, b2 = b0 + w * l;
+    const __m512 p0 = row16(x, b0, bf16, m), p1 = row16(x, b0 + l, bf16, m);
+    const __m512 p2 = row16(x, b2, bf16, m), p3 = row16(x, b2 + l, bf16, m);
     const __m512 top = _mm512_max_ps(p0, p1), bottom = _mm512_max_ps(p2, p3);
     __m512 v = _mm512_max_ps(top, bottom);
     const __mmask16 clamped = relu ? _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_LE_OQ) : 0;
@@ -988,16 +998,16 @@ int pool2x2(const void *x, void *out, unsigned char *code, long h, long w, long 
 int unpool2x2(const void *grad, const unsigned char *code, void *gx, long h, long w, long l,
               long bf16, long threads) {
   if (h < 2 || w < 2 || h % 2 || w % 2 || l < 1 || threads < 1) return 1;
-  const long half = w / 2, wins = (h / 2) * half, lanes = (l + 15) / 16;
-  const long units = wins * lanes, chunk = chunk_size(units, threads);
+  const long lanes = (l + 15) / 16, units = (h / 2) * (w / 2) * lanes;
+  const long chunk = chunk_size(units, threads);
 #pragma omp parallel for num_threads(threads) schedule(dynamic, chunk)
   for (long u = 0; u < units; ++u) {
-    const long win = u / lanes, i = (u % lanes) * 16, y = 2 * (win / half), xx = 2 * (win % half);
-    const __mmask16 m = l - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (l - i)) - 1);
-    const __m512 g = lanes16(grad, win * l + i, bf16, m);
-    const __m128i c = _mm_maskz_loadu_epi8(m, code + win * l + i);
-    const long at[4] = {(y * w + xx) * l + i, (y * w + xx + 1) * l + i,
-                        ((y + 1) * w + xx) * l + i, ((y + 1) * w + xx + 1) * l + i};
+    const wlanes_t t = window_lanes(u, lanes, w, l);
+    const __mmask16 m = t.m;
+    const __m512 g = row16(grad, t.win * l + t.i, bf16, m);
+    const __m128i c = _mm_maskz_loadu_epi8(m, code + t.win * l + t.i);
+    const long b0 = (t.y * w + t.x) * l + t.i, b2 = b0 + w * l;
+    const long at[4] = {b0, b0 + l, b2, b2 + l};
     for (int q = 0; q < 4; ++q) {
       const __mmask16 won = _mm_cmpeq_epi8_mask(c, _mm_set1_epi8((char)q));
       store16(gx, at[q], bf16, m, _mm512_maskz_mov_ps(won, g));
