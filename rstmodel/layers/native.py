@@ -511,7 +511,7 @@ def _pooled_mix(
     return out, code
 
 
-_TRAIN_DTYPES = (torch.float32, torch.bfloat16)
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the row kernels read
 
 
 def pooled_mix_train_available(resp: Tensor, a: Tensor) -> bool:
@@ -519,7 +519,7 @@ def pooled_mix_train_available(resp: Tensor, a: Tensor) -> bool:
     the coefficients' gradient of ``kernels._PooledMix``: float32 or bfloat16 (autocast) on
     the CPU, the kernels built here."""
     lib = _library() if resp.device.type == a.device.type == "cpu" else None
-    dtypes_ok = resp.dtype in _TRAIN_DTYPES and a.dtype in _TRAIN_DTYPES
+    dtypes_ok = resp.dtype in _KERNEL_DTYPES and a.dtype in _KERNEL_DTYPES
     return lib is not None and dtypes_ok and a.dim() == 2
 
 
@@ -578,7 +578,7 @@ def column_stats_available(x: Tensor, g: Tensor | None = None) -> bool:
         lib is not None
         and hasattr(lib, "column_stats")
         and x.dim() == 2
-        and x.dtype in _TRAIN_DTYPES
+        and x.dtype in _KERNEL_DTYPES
         and (g is None or (g.shape == x.shape and g.dtype == x.dtype and g.device == x.device))
     )
 
@@ -616,7 +616,7 @@ def pool2x2_available(x: Tensor) -> bool:
         lib is not None
         and hasattr(lib, "pool2x2")
         and x.dim() == 3
-        and x.dtype in _TRAIN_DTYPES
+        and x.dtype in _KERNEL_DTYPES
         and x.is_contiguous()
         and x.shape[0] % 2 == 0
         and x.shape[1] % 2 == 0
@@ -648,7 +648,7 @@ def unpool2x2(grad: Tensor, code: Tensor) -> Tensor:
     """The gradient of ``pool2x2``: grad [H/2, W/2, L] into the window position ``code``
     names, zeros at the other three (at all four where the code is 4): [H, W, L]."""
     hh, ww, n = grad.shape
-    if code.shape != grad.shape or code.dtype != torch.uint8 or grad.dtype not in _TRAIN_DTYPES:
+    if code.shape != grad.shape or code.dtype != torch.uint8 or grad.dtype not in _KERNEL_DTYPES:
         raise ValueError(
             f"a float32 or bfloat16 gradient and its byte code, not {grad.dtype} / {code.dtype}"
         )

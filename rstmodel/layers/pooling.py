@@ -92,8 +92,9 @@ class _MaxPoolReLU(torch.autograd.Function):
             out, code = native.pool2x2(rows, relu, argmax=ctx.needs_input_grad[0])
             if code is not None:
                 ctx.save_for_backward(code)
-                ctx.layout = (x.shape, "rows")
+                ctx.rows = True
             return _from_rows(out, x)
+        ctx.rows = False
         h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2
         quads = [x[..., i:h:2, j:w:2] for i in (0, 1) for j in (0, 1)]
         m, idx = _pool_quads(*quads, relu=relu, argmax=ctx.needs_input_grad[0])
@@ -108,10 +109,10 @@ class _MaxPoolReLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (idx,) = ctx.saved_tensors
-        shape, stride = ctx.layout
-        if stride == "rows":  # the compiled pool's codes, [H/2, W/2, R*S*B*C]
+        if ctx.rows:  # the compiled pool's codes, [H/2, W/2, R*S*B*C]
             g = grad.permute(4, 5, 2, 3, 0, 1).reshape(idx.shape)
             return _from_rows(native.unpool2x2(g, idx), grad), None
+        shape, stride = ctx.layout
         h, w = idx.shape[-2] * 2, idx.shape[-1] * 2
         # the input's own memory layout; every 2x2 position is written, so no zero fill
         if stride is None:
