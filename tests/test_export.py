@@ -339,6 +339,42 @@ def test_check_detects_a_model_that_differs(rst_export):
     assert not result.ok and result.max_abs_diff > 1e-2
 
 
+def test_check_tells_a_near_tie_from_a_changed_decision(tmp_path):
+    """A top-1 change where eager's two best logits lie within twice the tolerance is a tie
+    round-off may turn; anywhere else it fails the check (and so does the logit gap)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = np.zeros((3, 4), np.float32)  # logits = bias: class 0 and 1 tied to 1e-5
+    bias = np.array([1.0, 1.0 + 1e-5, 0.0], np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("Flatten", ["images"], ["flat"]),
+            helper.make_node("Gemm", ["flat", "w", "b"], ["logits"], transB=1),
+        ],
+        "tie",
+        [helper.make_tensor_value_info("images", TensorProto.FLOAT, ["n", 1, 2, 2])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", 3])],
+        [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(bias, "b")],
+    )
+    path = tmp_path / "tie.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    images = np.zeros((2, 1, 2, 2), np.uint8)
+
+    def eager(nudge: list[float]) -> nn.Module:
+        linear = nn.Linear(4, 3)
+        with torch.no_grad():
+            linear.weight.copy_(torch.from_numpy(weight))
+            linear.bias.copy_(torch.from_numpy(bias) + torch.tensor(nudge))
+        return nn.Sequential(nn.Flatten(), linear).eval()
+
+    same = check_onnx(path, eager([0, 0, 0]), images, (0.0,), (1.0,))
+    assert same.ok and (same.top1_mismatches, same.ties) == (0, 0)
+    tie = check_onnx(path, eager([3e-5, 0, 0]), images, (0.0,), (1.0,))  # eager picks 0
+    assert tie.ok and (tie.top1_mismatches, tie.ties) == (0, 2)
+    changed = check_onnx(path, eager([0.5, 0, 0]), images, (0.0,), (1.0,))
+    assert not changed.ok and (changed.top1_mismatches, changed.ties) == (2, 0)
+
+
 # ---------------------------------------------------------------- command lines
 
 

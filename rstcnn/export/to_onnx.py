@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"check {verdict}: {result.count} images, max |logit diff| {result.max_abs_diff:.2e} "
             f"(tolerance {TOLERANCE:.0e}), top-1 mismatches {result.top1_mismatches}"
+            + (f" (and {result.ties} on near-ties)" if result.ties else "")
             + (" (float32 graph)" if reduced else "")
         )
         if not reduced:
