@@ -627,6 +627,21 @@ def test_current_says_when_a_reduced_file_may_stand_in_for_its_checkpoint(
     assert not current(tmp_path / "junk.onnx", checkpoint)[0]
 
 
+def test_the_gate_counts_a_drop_of_whole_images_exactly():
+    """5 of 1,000 images lost is the 0.5-point limit itself, and passes; 6 do not. In plain
+    floats 100 * (0.842 - 0.837) is 0.5000000000000004, which failed a file at the limit."""
+    from rstcnn.export.precision import GATE_POINTS, GateResult, accuracy_drop_points
+
+    def right(n: int) -> float:  # the accuracy of n right of 1,000, as np.mean gives it
+        return float((np.arange(1000) < n).mean())
+
+    assert 100 * (right(842) - right(837)) > GATE_POINTS  # the round-off the gate must not see
+    assert accuracy_drop_points(right(842), right(837)) == GATE_POINTS
+    assert GateResult("int8", 1000, right(837), right(842), 0.97, 2.0, 0.1, 0.0).ok
+    assert not GateResult("int8", 1000, right(836), right(842), 0.97, 2.0, 0.1, 0.0).ok
+    assert accuracy_drop_points(right(837), right(842)) == -GATE_POINTS  # a gain
+
+
 def test_precision_arguments_are_checked(rst_export, tmp_path):
     from rstcnn.export.precision import convert
 

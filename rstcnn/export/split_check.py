@@ -115,13 +115,13 @@ class SplitState:
         _save(self.path, key=self.key, served=self.served, eager=self.eager, diff=self.diff)
 
     def summary(self) -> dict:
-        from rstcnn.export.precision import GATE_POINTS
+        from rstcnn.export.precision import GATE_POINTS, accuracy_drop_points
 
         done = self.served >= 0
         n = int(done.sum())
         served = float((self.served[done] == self.labels[done]).mean()) if n else 0.0
         eager = float((self.eager[done] == self.labels[done]).mean()) if n else 0.0
-        points = 100 * (served - eager)
+        points = -accuracy_drop_points(eager, served)
         return {
             "images": n,
             "of": len(self.labels),

@@ -37,6 +37,7 @@ from torchvision.transforms import v2
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from rstcnn.export.precision import accuracy_drop_points
 from rstcnn.train.resampling import rs_run, test_images
 from rstcnn.train.runtime import use_retaining_allocator
 from rstmodel import load_checkpoint
@@ -93,7 +94,7 @@ def check(
         "fp32_s": t32,
         "reduced_s": t_reduced,
         "speedup": t32 / t_reduced,
-        "passes": 100 * (acc32 - acc) <= tolerance,
+        "passes": accuracy_drop_points(acc32, acc) <= tolerance,
         "tolerance_points": tolerance,
     }
 
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             "images": r["images"],
             "accuracy": r["reduced_acc"],
             "reference_accuracy": r["fp32_acc"],
-            "drop_points": 100 * (r["fp32_acc"] - r["reduced_acc"]),
+            "drop_points": accuracy_drop_points(r["fp32_acc"], r["reduced_acc"]),
             "limit_points": r["tolerance_points"],
             "top1_agreement": r["top1_agreement"],
             "device": r["device"],
