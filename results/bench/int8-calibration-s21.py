@@ -6,9 +6,9 @@
 
 import sys
 import time
+from collections import defaultdict
 
 import numpy as np
-import onnx
 
 import rstcnn.export.precision as P
 from rstcnn.export.onnx_export import data_sample
@@ -28,36 +28,18 @@ minmax = P._shared_ranges
 
 
 def quantile_ranges(q):
-    def ranges(prepared, batches, groups):
-        import onnxruntime as ort
+    """Ranges from each batch's q and 1 - q quantiles (widened to hold 0), averaged over the
+    batches, shared in groups as the min-max ranges are."""
 
-        model = onnx.load(str(prepared))
-        sides = [(n.input[0], n.output[0]) for nodes in groups.values() for n in nodes]
-        names = sorted({name for pair in sides for name in pair})
-        known = {o.name for o in model.graph.output}
-        model.graph.output.extend(
-            onnx.helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, None)
-            for n in names
-            if n not in known
-        )
-        s = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        lo = {n: [] for n in names}
-        hi = {n: [] for n in names}
-        for b in batches:
-            for n, v in zip(names, s.run(names, {P.INPUT: b}), strict=True):
+    def ranges(prepared, batches, groups):
+        lo, hi = defaultdict(list), defaultdict(list)
+        for values in P._conv_activations(prepared, batches, groups):
+            for n, v in values.items():
                 a, c = np.quantile(v.ravel(), [q, 1 - q])
                 lo[n].append(min(0.0, a))
                 hi[n].append(max(0.0, c))
-        out = {}
-        for nodes in groups.values():
-            for side in (0, 1):
-                members = [(n.input[0], n.output[0])[side] for n in nodes]
-                shared = {
-                    "rmin": np.float32(min(np.mean(lo[m]) for m in members)),
-                    "rmax": np.float32(max(np.mean(hi[m]) for m in members)),
-                }
-                out.update((m, [dict(shared)]) for m in members)
-        return out
+        mean = lambda d: {n: float(np.mean(v)) for n, v in d.items()}  # noqa: E731
+        return P._share_in_groups(groups, mean(lo), mean(hi))
 
     return ranges
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,14 +125,11 @@ def _quantized_convs(model: onnx.ModelProto) -> dict[tuple, list[onnx.NodeProto]
     return groups
 
 
-def _shared_ranges(prepared: Path, batches: Iterable[np.ndarray], groups) -> dict[str, list]:
-    """Min-max ranges (widened to hold 0) of every quantized conv's input and output over
-    the calibration ``batches``, made equal within each group of ``_quantized_convs``.
-    In the group layout those convs are the (rotation, scale) branches of one layer: one
-    range for all of them rounds a turned image's branches on the same grid as the
-    original's (int8 weights are per output channel, and a turned filter has the same
-    channel maxima), so quarter turns change the int8 logits only where a float32 round-off
-    crosses a rounding boundary (per-branch ranges round each branch on its own grid)."""
+def _conv_activations(
+    prepared: Path, batches: Iterable[np.ndarray], groups
+) -> Iterator[dict[str, np.ndarray]]:
+    """For each of the calibration ``batches``, every quantized conv's input and output
+    (the convs of ``_quantized_convs``' ``groups``), by name, from one onnxruntime pass."""
     import onnxruntime as ort
 
     model = onnx.load(str(prepared))
@@ -145,14 +142,13 @@ def _shared_ranges(prepared: Path, batches: Iterable[np.ndarray], groups) -> dic
         if n not in known
     )
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    lo = dict.fromkeys(names, 0.0)
-    hi = dict.fromkeys(names, 0.0)
     for x in batches:
-        for name, value in zip(names, session.run(names, {INPUT: x}), strict=True):
-            lo[name], hi[name] = (
-                min(lo[name], float(value.min())),
-                max(hi[name], float(value.max())),
-            )
+        yield dict(zip(names, session.run(names, {INPUT: x}), strict=True))
+
+
+def _share_in_groups(groups, lo: Mapping[str, float], hi: Mapping[str, float]) -> dict[str, list]:
+    """Quantization overrides giving every conv of a group one range for its inputs and one
+    for its outputs: the widest of its members' ``lo`` / ``hi``."""
     overrides: dict[str, list] = {}
     for nodes in groups.values():
         for side in (0, 1):
@@ -163,6 +159,23 @@ def _shared_ranges(prepared: Path, batches: Iterable[np.ndarray], groups) -> dic
             }
             overrides.update((m, [dict(shared)]) for m in members)
     return overrides
+
+
+def _shared_ranges(prepared: Path, batches: Iterable[np.ndarray], groups) -> dict[str, list]:
+    """Min-max ranges (widened to hold 0) of every quantized conv's input and output over
+    the calibration ``batches``, made equal within each group of ``_quantized_convs``.
+    In the group layout those convs are the (rotation, scale) branches of one layer: one
+    range for all of them rounds a turned image's branches on the same grid as the
+    original's (int8 weights are per output channel, and a turned filter has the same
+    channel maxima), so quarter turns change the int8 logits only where a float32 round-off
+    crosses a rounding boundary (per-branch ranges round each branch on its own grid)."""
+    lo: dict[str, float] = {}
+    hi: dict[str, float] = {}
+    for values in _conv_activations(prepared, batches, groups):
+        for name, value in values.items():
+            lo[name] = min(lo.get(name, 0.0), float(value.min()))
+            hi[name] = max(hi.get(name, 0.0), float(value.max()))
+    return _share_in_groups(groups, lo, hi)
 
 
 def _quantize_int8(src: Path, tmp: Path, calibration: np.ndarray) -> onnx.ModelProto:
