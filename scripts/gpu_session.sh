@@ -47,9 +47,10 @@ REPRO_SIZES="${REPRO_SIZES:-5000}"
 RESULTS="${RESULTS:-results/reproduce/rs-fashion-$REPRO_BUDGET}"
 # one process per shard: models (comma-separated) @ trials (N: trials 0..N-1; A-B: trials A..B,
 # so shards side by side train different trials of one model); cells in RESULTS are skipped
-# (default: the rot_cnn runs carried in .gpu_resume first, one process per trial, then
-# rst_cnn_fb's next trials; the carried sesn runs follow in a second call, SHARDS="sesn@0-0
-# sesn@1-1 sesn@2-2"; three windows have measured the fast path, so it only times bf16)
+# (default: rot_cnn's three trials, one process per trial, then rst_cnn_fb's next trials;
+# a run resumes from .gpu_resume/ when its folder is carried there, else starts afresh; sesn
+# follows in a later call, SHARDS="sesn@0-0 sesn@1-1 sesn@2-2"; three windows have measured
+# the fast path, so it only times bf16)
 SHARDS="${SHARDS:-rot_cnn@0-0 rot_cnn@1-1 rot_cnn@2-2 rst_cnn_fb@1-1 rst_cnn_fb@2-2}"
 # train/fastpath.py's names, ';'-separated: bf16 with the fast paths' fused Triton kernels
 # and with the torch operators they replace (the faster one trains the shards below)
