@@ -27,7 +27,7 @@
 #    there, or carry them in RESUME/split-check).
 # 4. train/k_sweep.py --report: the basis-size sweep's table and plot (accuracy against eval
 #    time on this card) from the record; its runs are shards like any other, e.g.
-#    SHARDS="rst_cnn_fb_k6,rst_cnn_fb_k9@3 rst_cnn_fb_k17,rst_cnn_fb_ref@3".
+#    SHARDS="rst_cnn_fb_k6,rst_cnn_fb_k9@3 rst_cnn_fb_k17,rst_cnn_fb_ref@3 rst_cnn_fb_nr4@3".
 #    Beside them, the shipped rst_cnn_fb on 4,096 test images (KERNEL_CHECK_LIMIT) through the
 #    fused Triton kernels and through torch's operators (logs/kernels-check-*.json).
 # Comes back in $OUT: logs.tgz (logs/; fastpath/: fastpath.md, fastpath.json, profile.md, kernels.md,
@@ -68,7 +68,7 @@ STEP_COST_ARGS="${STEP_COST_ARGS---batch 128 --bf16}"
 # train/kernel_probe.py: each RST convolution alone, fused kernels against torch's operators
 # (time, bytes moved, GB/s; fastpath/kernels.md; empty: skip)
 KERNEL_PROBE_ARGS="${KERNEL_PROBE_ARGS---batch 128 --bf16}"
-K_SWEEP_MODELS="${K_SWEEP_MODELS-rst_cnn_fb_k6 rst_cnn_fb_k9 rst_cnn_fb rst_cnn_fb_k17 rst_cnn_fb_ref}"
+K_SWEEP_MODELS="${K_SWEEP_MODELS-rst_cnn_fb_k6 rst_cnn_fb_k9 rst_cnn_fb rst_cnn_fb_k17 rst_cnn_fb_ref rst_cnn_fb_nr4}"
 SPLIT_CHECKPOINT="${SPLIT_CHECKPOINT-models/rst_cnn_fb.pt}"  # empty: no split check
 SPLIT_SERVED="${SPLIT_SERVED:-models/rst_cnn_fb.int8.onnx models/rst_cnn_fb.pt}"  # in turn
 SPLIT_THREADS="${SPLIT_THREADS:-6}"

@@ -411,10 +411,12 @@ def test_train_trial_stops_on_sigint_even_when_started_ignoring_it(
 def test_sweep_models_hold_the_paper_parameter_count():
     from rstmodel import create_model
 
-    for name, k in zip(budgets.SWEEP_MODELS, (6, 9, 12, 17, 49), strict=True):
+    structures = ((6, 8), (9, 8), (12, 8), (17, 8), (49, 8), (12, 4))  # (K, Nr)
+    for name, (k, nr) in zip(budgets.SWEEP_MODELS, structures, strict=True):
         model = create_model(name)
         params = sum(p.numel() for p in model.parameters())
-        assert model.config.num_funcs == k and 490_000 <= params <= 510_000, (name, params)
+        assert (model.config.num_funcs, model.config.rotations) == (k, nr), name
+        assert 490_000 <= params <= 510_000, (name, params)
         reduced = budgets.budget_config(name, 2000, budgets.BUDGETS["reduced"]).model_args
         small = create_model(name, input_size=32, **reduced)
         assert 10_000 <= sum(p.numel() for p in small.parameters()) <= 13_000, name
@@ -442,6 +444,8 @@ def test_k_sweep_verdict_needs_trials_and_the_spread():
     assert spread_verdict([close]).startswith("no verdict")
     slower = row("rst_cnn_fb_ref", 49, 78.2, 0.1, 3, 20.0)  # more accurate, but not cheaper
     assert spread_verdict([slower, default]).startswith("rst_cnn_fb stays")
+    quarter = {**row("rst_cnn_fb_nr4", 12, 77.8, 0.5, 3, 5.0), "Nr": 4}  # half the branches
+    assert spread_verdict([quarter, default]).startswith("rst_cnn_fb_nr4 (K = 12, Nr = 4) is")
 
 
 def test_k_sweep_smoke_trains_times_and_plots(tmp_path, idx_source, monkeypatch):
@@ -465,7 +469,7 @@ def test_k_sweep_smoke_trains_times_and_plots(tmp_path, idx_source, monkeypatch)
     )
     assert saved["verdict"].startswith("no verdict yet")
     text = (sweep / "sweep.md").read_text()
-    assert "| rst_cnn_fb_k6 | 6 | 2.5 |" in text and "Verdict: no verdict yet" in text
+    assert "| rst_cnn_fb_k6 | 6 | 8 | 2.5 |" in text and "Verdict: no verdict yet" in text
     assert (sweep / "accuracy-vs-time.png").stat().st_size > 1000
     # --report trains nothing, and keeps what an earlier call left in --out in the record
     shutil.rmtree(record / "runs" / "rst_cnn_fb_k6-64-t0")

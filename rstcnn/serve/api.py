@@ -50,6 +50,7 @@ _DISPLAY = {
     "rst_cnn_plus_fb": "RST-CNN+(FB)",
     "rst_cnn_plus_sl": "RST-CNN+(SL)",
     "rst_cnn_fb_ref": "RST-CNN(FB, ref. basis)",
+    "rst_cnn_fb_nr4": "RST-CNN(FB, Nr=4)",
     "rot_cnn": "rotation-only CNN",
     "scale_cnn": "scale-only CNN",
 }

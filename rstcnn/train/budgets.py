@@ -55,14 +55,23 @@ REDUCED_WIDTHS = {
     "sfcnn_plus": (3, 6, 9),
     "sevf": (7, 15, 22),
 }
-# the basis-size sweep (speed against accuracy), by K; not in reproduce.py's default run
+# the basis-size sweep (speed against accuracy), by K and the rotation grid Nr; not in
+# reproduce.py's default run
 # (``train/k_sweep.py`` runs them through train/reproduce.py)
-SWEEP_MODELS = ("rst_cnn_fb_k6", "rst_cnn_fb_k9", "rst_cnn_fb", "rst_cnn_fb_k17", "rst_cnn_fb_ref")
+SWEEP_MODELS = (
+    "rst_cnn_fb_k6",
+    "rst_cnn_fb_k9",
+    "rst_cnn_fb",
+    "rst_cnn_fb_k17",
+    "rst_cnn_fb_ref",
+    "rst_cnn_fb_nr4",
+)
 REDUCED_WIDTHS |= {
     "rst_cnn_fb_k6": (14, 28, 42),
     "rst_cnn_fb_k9": (11, 22, 33),
     "rst_cnn_fb_k17": (8, 16, 24),
     "rst_cnn_fb_ref": (5, 10, 15),
+    "rst_cnn_fb_nr4": (10, 20, 30),
 }
 ALL_MODELS = MODELS + tuple(m for m in SWEEP_MODELS if m not in MODELS)  # tables' row order
 SMOKE_WIDTHS = dict.fromkeys(ALL_MODELS, (2, 3, 4))
@@ -86,6 +95,7 @@ RELATIVE_COST = {
     "rst_cnn_fb_k9": 0.85,
     "rst_cnn_fb_k17": 1.4,
     "rst_cnn_fb_ref": 1.2,
+    "rst_cnn_fb_nr4": 0.5,  # half the branches
 }
 
 

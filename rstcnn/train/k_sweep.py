@@ -1,4 +1,5 @@
-"""Speed against accuracy over the basis size K, at the paper's parameter count.
+"""Speed against accuracy over the basis size K and the rotation grid, at the paper's
+parameter count.
 
     python train/k_sweep.py --budget full --device cuda --bf16 [--deadline S]   # a GPU job
     python train/k_sweep.py --budget reduced                                      # 2 CPU cores
@@ -8,8 +9,10 @@ At ~500K parameters K sets the channel widths (the mixing costs ~ Cin Cout K per
 parameters ~ Cin Cout K too, so a smaller K buys wider channels) and so the cost. The sweep's
 models (``budgets.SWEEP_MODELS``): ``rst_cnn_fb_k6`` and ``rst_cnn_fb_k9`` (the K lowest FB
 modes at the 2.5 px smallest radius), ``rst_cnn_fb`` (K = 12: every mode below Nyquist there),
-``rst_cnn_fb_k17`` (a 3 px smallest radius, which holds 17 modes below Nyquist; kernels 5..17)
-and ``rst_cnn_fb_ref`` (the public code's K = 49 basis).
+``rst_cnn_fb_k17`` (a 3 px smallest radius, which holds 17 modes below Nyquist; kernels 5..17),
+``rst_cnn_fb_ref`` (the public code's K = 49 basis) and ``rst_cnn_fb_nr4`` (K = 12 on Nr = 4
+rotations instead of 8: the quarter turns only, exact on the pixel grid, half the branches
+and so half the cost at the same parameters).
 
 1. Trains each on RS-Fashion at one N_tr (default 5000) without augmentation, ``--trials``
    trials (default 3), as ``train/reproduce.py`` runs (same folders, resumable). Each finished
@@ -114,6 +117,12 @@ def eval_ms(model: torch.nn.Module, batch: int, size: int, repeats: int, device)
     return 1e3 * statistics.median(times) / batch
 
 
+def setting(row: dict[str, Any]) -> str:
+    """A sweep row's structure in words: "K = 12", or "K = 12, Nr = 4" off the paper's Nr."""
+    nr = row.get("Nr", 8)  # records written before the rotation grid was swept hold no Nr
+    return f"K = {row['K']}" + (f", Nr = {nr}" if nr != 8 else "")
+
+
 def spread_verdict(rows: list[dict[str, Any]]) -> str:
     """Which setting is cheapest at the default's accuracy (module docstring), in words."""
     default = next((r for r in rows if r["model"] == DEFAULT), None)
@@ -134,7 +143,7 @@ def spread_verdict(rows: list[dict[str, Any]]) -> str:
         spread = max(row["std"], default["std"])
         if row["mean"] >= default["mean"] - spread:  # as accurate within the spread, or more
             return (
-                f"{row['model']} (K = {row['K']}) is at least as accurate as {DEFAULT} within "
+                f"{row['model']} ({setting(row)}) is at least as accurate as {DEFAULT} within "
                 f"the trials' spread ({row['mean']:.2f} against {default['mean']:.2f} %, spread "
                 f"{spread:.2f}) at {default['eval_ms'] / row['eval_ms']:.2f}x less eval time "
                 "per image"
@@ -155,6 +164,7 @@ def sweep_rows(
             {
                 "model": model,
                 "K": net.config.num_funcs,
+                "Nr": net.config.rotations,
                 "base_radius": float(spec.scales[0]),
                 "kernels": list(spec.kernel_sizes),
                 "channels": list(net.config.channels),
@@ -182,20 +192,20 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, where: str) -> s
     out.mkdir(parents=True, exist_ok=True)
     verdict = spread_verdict(rows)
     lines = [
-        f"# Basis size K against accuracy and speed: {args.data}, {args.budget} budget, "
-        f"N_tr {args.train_size}, no augmentation",
+        f"# Basis size K and rotations Nr against accuracy and speed: {args.data}, "
+        f"{args.budget} budget, N_tr {args.train_size}, no augmentation",
         "",
         f"Eval time measured on {where} (torch {torch.__version__}), float32, eval mode, "
         f"median of {args.repeats}; accuracy: test accuracy over the finished trials.",
         "",
-        f"| model | K | smallest radius (px) | kernels | channels | params | trials | test accuracy (%) "
-        f"| eval ms/img (batch {args.time_batch}) | eval ms (batch 1) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| model | K | Nr | smallest radius (px) | kernels | channels | params | trials "
+        f"| test accuracy (%) | eval ms/img (batch {args.time_batch}) | eval ms (batch 1) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         acc = "-" if not r["trials"] else f"{r['mean']:.2f} ± {r['std']:.2f}"
         lines.append(
-            f"| {r['model']} | {r['K']} | {r['base_radius']:g} | {r['kernels']} | "
+            f"| {r['model']} | {r['K']} | {r['Nr']} | {r['base_radius']:g} | {r['kernels']} | "
             f"{tuple(r['channels'])} | {r['params']:,} | {r['trials']} | {acc} | "
             f"{r['eval_ms']:.3g} | {r['eval_ms_b1']:.3g} |"
         )
@@ -209,7 +219,7 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, where: str) -> s
     for r in (r for r in rows if r["trials"]):
         ax.errorbar(r["eval_ms"], r["mean"], yerr=r["std"], fmt="o", capsize=4)
         ax.annotate(
-            f"K={r['K']} ({r['trials']})",
+            f"{setting(r).replace(' = ', '=')} ({r['trials']})",
             (r["eval_ms"], r["mean"]),
             xytext=(6, 4),
             textcoords="offset points",
@@ -218,7 +228,7 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, where: str) -> s
     ax.set_xlabel(f"eval time per image, ms (batch {args.time_batch}, {where})")
     ax.set_ylabel("test accuracy (%)")
     ax.set_title(
-        f"{args.data}, {args.budget} budget, N_tr {args.train_size}: K against speed (trials)"
+        f"{args.data}, {args.budget} budget, N_tr {args.train_size}: K, Nr against speed (trials)"
     )
     ax.grid(alpha=0.3)
     fig.tight_layout()

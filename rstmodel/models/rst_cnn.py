@@ -168,7 +168,8 @@ def rst_cnn_plus_sl(**overrides) -> RSTCNN:
 
 # The speed-against-accuracy sweep over the basis size (``python -m train.k_sweep``): at ~500K
 # parameters K sets the channel widths (mixing ~ Cin Cout K) and so the cost. Widths keep
-# the ratio of rst_cnn_fb's (69, 135, 204).
+# the ratio of rst_cnn_fb's (69, 135, 204). The rotation grid Nr sets the number of branches,
+# so the cost at fixed parameters (the coefficients do not depend on Nr).
 
 
 @register_model
@@ -187,6 +188,13 @@ def rst_cnn_fb_k9(**overrides) -> RSTCNN:
 def rst_cnn_fb_k17(**overrides) -> RSTCNN:
     """RST-CNN(FB) at a 3 px smallest radius (kernels 5..17), all K=17 modes below Nyquist there, ~500K params."""
     return _rst(num_funcs=17, base_radius=3.0, channels=(59, 115, 174))(**overrides)
+
+
+@register_model
+def rst_cnn_fb_nr4(**overrides) -> RSTCNN:
+    """RST-CNN(FB) on the quarter-turn rotation grid (Nr=4, exact on the pixel grid): half
+    the (rotation, scale) branches of rst_cnn_fb, so half its cost, same ~500K params."""
+    return _rst(rotations=4)(**overrides)
 
 
 @register_model
