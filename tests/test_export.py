@@ -892,7 +892,7 @@ def test_eager_bf16_is_served_only_with_its_own_passing_check(rst_export, tmp_pa
     assert write_gate(checkpoint, digest, record) == gate_path(checkpoint)
     assert gate_path(checkpoint).name == "model.bf16-gate.json"
     half = Classifier.from_checkpoint(checkpoint, "bf16")
-    assert servable(half) == (True, "bf16, accuracy check passed (+0.10 points on 64 test images)")
+    assert servable(half) == (True, "bf16, accuracy check passed (-0.10 points on 64 test images)")
     auto = Classifier.from_checkpoint(checkpoint)
     assert auto.metadata["rstcnn.precision"] == ("bf16" if bf16_supported() else "fp32")
     # a failing check: not servable

@@ -55,9 +55,9 @@ def test_servable_reads_precision_and_gate(variants):
     load = {k: Classifier.from_onnx(p, threads=1) for k, p in variants.items()}
     assert servable(load["fp32"]) == (True, "float32")
     ok, why = servable(load["passed"])
-    assert ok and why == "int8, accuracy check passed (+0.10 points on 32 test images)"
+    assert ok and why == "int8, accuracy check passed (-0.10 points on 32 test images)"
     ok, why = servable(load["failed"])
-    assert not ok and "failed its accuracy check" in why and "limit 0.5" in why
+    assert not ok and "failed its accuracy check" in why and "limit -0.5" in why
     ok, why = servable(load["unchecked"])
     assert not ok and "without an accuracy check" in why and "--check" in why
 

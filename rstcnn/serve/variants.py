@@ -63,11 +63,11 @@ def servable(clf: Any) -> tuple[bool, str]:
         return False, f"{precision} without an accuracy check (export it with --check N)"
     if not gate.get("passes"):
         return False, (
-            f"{precision} failed its accuracy check: {gate.get('drop_points', float('nan')):+.2f} "
-            f"points on {gate.get('images')} test images (limit {gate.get('limit_points')})"
+            f"{precision} failed its accuracy check: {-gate.get('drop_points', float('nan')):+.2f} "
+            f"points on {gate.get('images')} test images (limit -{gate.get('limit_points')})"
         )
     return True, (
-        f"{precision}, accuracy check passed ({gate.get('drop_points', 0.0):+.2f} points on "
+        f"{precision}, accuracy check passed ({-gate.get('drop_points', 0.0):+.2f} points on "
         f"{gate.get('images')} test images)"
     )
 
