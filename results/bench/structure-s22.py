@@ -40,7 +40,7 @@ from rstcnn.export.precision import convert
 
 VARIANTS = {
     "rst_cnn_fb": ("rst_cnn_fb", {}),
-    "rst_cnn_fb Nr4": ("rst_cnn_fb", {"rotations": 4}),
+    "rst_cnn_fb Nr4": ("rst_cnn_fb_nr4", {}),
     "rst_cnn_fb_ref": ("rst_cnn_fb_ref", {}),
     "rst_cnn_fb_ref Nr4": ("rst_cnn_fb_ref", {"rotations": 4}),
     "cnn": ("cnn", {}),

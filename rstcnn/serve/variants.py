@@ -61,13 +61,15 @@ def servable(clf: Any) -> tuple[bool, str]:
     gate = meta.get(_PREFIX + "gate")
     if not isinstance(gate, dict):
         return False, f"{precision} without an accuracy check (export it with --check N)"
+    drop = gate.get("drop_points", 0.0 if gate.get("passes") else float("nan"))
+    change = 0.0 - drop  # not -drop: no change reads "+0.00", not "-0.00"
     if not gate.get("passes"):
         return False, (
-            f"{precision} failed its accuracy check: {-gate.get('drop_points', float('nan')):+.2f} "
+            f"{precision} failed its accuracy check: {change:+.2f} "
             f"points on {gate.get('images')} test images (limit -{gate.get('limit_points')})"
         )
     return True, (
-        f"{precision}, accuracy check passed ({-gate.get('drop_points', 0.0):+.2f} points on "
+        f"{precision}, accuracy check passed ({change:+.2f} points on "
         f"{gate.get('images')} test images)"
     )
 
