@@ -453,20 +453,23 @@ def test_k_sweep_smoke_trains_times_and_plots(tmp_path, idx_source, monkeypatch)
 
     monkeypatch.setenv("RSTCNN_DATA", str(tmp_path / "cache"))
     out, record, sweep = tmp_path / "out", tmp_path / "record", tmp_path / "sweep"
-    args = ["--budget", "smoke", "--models", "rst_cnn_fb_k6", "rst_cnn_fb", "--trials", "1"]
-    args += ["--data-root", str(idx_source), "--out", str(out), "--results", str(record)]
-    args += ["--sweep-out", str(sweep), "--threads", "1", "--time-batch", "4", "--repeats", "1"]
+    base = ["--budget", "smoke", "--data-root", str(idx_source), "--out", str(out)]
+    base += ["--results", str(record), "--sweep-out", str(sweep), "--threads", "1"]
+    base += ["--time-batch", "4", "--repeats", "1", "--trials", "1"]
+    args = [*base, "--models", "rst_cnn_fb_k6", "rst_cnn_fb"]
     assert k_sweep.main(args) == 0
     assert sorted(p.name for p in (record / "runs").iterdir()) == [
         "rst_cnn_fb-64-t0",
         "rst_cnn_fb_k6-64-t0",
     ]
     saved = json.loads((sweep / "sweep.json").read_text())
-    rows = {r["model"]: r for r in saved["rows"]}
+    every = {r["model"]: r for r in saved["rows"]}
+    assert tuple(every) == k_sweep.SWEEP_MODELS  # the report covers the models not trained
+    assert all(r["eval_ms"] > 0 and r["eval_ms_b1"] > 0 for r in every.values())
+    rows = {m: r for m, r in every.items() if r["trials"]}
+    assert sorted(rows) == ["rst_cnn_fb", "rst_cnn_fb_k6"]
     assert rows["rst_cnn_fb_k6"]["K"] == 6 and rows["rst_cnn_fb"]["K"] == 12
-    assert all(
-        r["trials"] == 1 and r["eval_ms"] > 0 and 0 <= r["mean"] <= 100 for r in rows.values()
-    )
+    assert all(r["trials"] == 1 and 0 <= r["mean"] <= 100 for r in rows.values())
     assert saved["verdict"].startswith("no verdict yet")
     text = (sweep / "sweep.md").read_text()
     assert "| rst_cnn_fb_k6 | 6 | 8 | 2.5 |" in text and "Verdict: no verdict yet" in text
@@ -480,9 +483,20 @@ def test_k_sweep_smoke_trains_times_and_plots(tmp_path, idx_source, monkeypatch)
     assert k_sweep.main([*args, "--report"]) == 0
     again = {r["model"]: r for r in json.loads((sweep / "sweep.json").read_text())["rows"]}
     assert {m: r["accuracies"] for m, r in again.items()} == {
-        m: r["accuracies"] for m, r in rows.items()
+        m: r["accuracies"] for m, r in every.items()
     }
     assert not (out / "rs-fashion" / "smoke" / "rst_cnn_fb-64-t0").exists()
+    # a later call that trains one more model keeps the earlier rows, and the report counts
+    # every trial in the record, whatever --trials says
+    shutil.copytree(record / "runs" / "rst_cnn_fb-64-t0", record / "runs" / "rst_cnn_fb-64-t1")
+    assert k_sweep.main([*base, "--models", "rst_cnn_fb_nr4"]) == 0
+    last = {r["model"]: r for r in json.loads((sweep / "sweep.json").read_text())["rows"]}
+    assert {m: r["trials"] for m, r in last.items() if r["trials"]} == {
+        "rst_cnn_fb": 2,
+        "rst_cnn_fb_k6": 1,
+        "rst_cnn_fb_nr4": 1,
+    }
+    assert last["rst_cnn_fb_nr4"]["Nr"] == 4
 
 
 def test_reproduce_resume_only_finishes_carried_runs_and_starts_none(

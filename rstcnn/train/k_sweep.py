@@ -14,12 +14,16 @@ modes at the 2.5 px smallest radius), ``rst_cnn_fb`` (K = 12: every mode below N
 rotations instead of 8: the quarter turns only, exact on the pixel grid, half the branches
 and so half the cost at the same parameters).
 
-1. Trains each on RS-Fashion at one N_tr (default 5000) without augmentation, ``--trials``
-   trials (default 3), as ``train/reproduce.py`` runs (same folders, resumable). Each finished
-   run goes into a committed record at once: at the full budget the protocol's own, so
-   ``rst_cnn_fb``'s protocol runs count for both; at the others ``--sweep-out/runs``.
-2. Times each model's evaluation on this machine at the budget's widths and image size:
-   ms per image at batch ``--time-batch`` (default the budget's batch) and at batch 1.
+1. Trains ``--models`` (default all) on RS-Fashion at one N_tr (default 5000) without
+   augmentation, ``--trials`` trials (default 3), as ``train/reproduce.py`` runs (same
+   folders, resumable). Each finished run goes into a committed record at once: at the full
+   budget the protocol's own, so ``rst_cnn_fb``'s protocol runs count for both; at the others
+   ``--sweep-out/runs``.
+2. Reports every sweep model, whichever were trained in this call: its accuracy over every
+   finished trial in ``--out`` or the record, and its evaluation timed on this machine at the
+   budget's widths and image size (ms per image at batch ``--time-batch``, default the
+   budget's batch, and at batch 1). So a call that trains one model rewrites the report
+   without dropping the others' rows.
 3. Writes ``--sweep-out`` (default ``results/k-sweep/<data>-<budget>``): ``sweep.md``,
    ``sweep.json`` and ``accuracy-vs-time.png``, and says which setting is the cheapest whose
    accuracy is at least ``rst_cnn_fb``'s (the default) within the trials' spread: its mean
@@ -59,7 +63,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--data", default="rs-fashion", choices=("rs-fashion", "rs-mnist"))
     parser.add_argument("--budget", choices=tuple(BUDGETS), default="reduced")
-    parser.add_argument("--models", nargs="+", default=list(SWEEP_MODELS), choices=SWEEP_MODELS)
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        default=list(SWEEP_MODELS),
+        choices=SWEEP_MODELS,
+        help="the models to train (the report covers every sweep model)",
+    )
     parser.add_argument("--train-size", type=int, default=None, help="N_tr (default 5000)")
     parser.add_argument("--trials", type=int, default=MIN_TRIALS)
     reproduce.add_run_arguments(parser)
@@ -151,13 +161,26 @@ def spread_verdict(rows: list[dict[str, Any]]) -> str:
     return f"{DEFAULT} stays: no cheaper setting is within the trials' spread of its accuracy"
 
 
+def finished_trials(root: Path, results: Path, model: str, train_size: int) -> list[dict]:
+    """The summaries of every finished trial of ``model`` at ``train_size`` without
+    augmentation, from the run folders in ``root`` or the committed record ``results``."""
+    trials = set()
+    for folder in (root, results / "runs"):
+        for path in folder.glob(f"{model}-{train_size}-t*/summary.json"):
+            suffix = path.parent.name.rpartition("-t")[2]
+            if suffix.isdigit():
+                trials.add(int(suffix))
+    specs = (reproduce.RunSpec(model, train_size, False, t) for t in sorted(trials))
+    return [d for d in (reproduce.finished(root, s, results) for s in specs) if d is not None]
+
+
 def sweep_rows(
-    args: argparse.Namespace, budget: Budget, specs: list, root: Path, device: torch.device
+    args: argparse.Namespace, budget: Budget, root: Path, device: torch.device
 ) -> list[dict[str, Any]]:
     rows = []
-    for model in args.models:
-        done = [reproduce.finished(root, s, args.results) for s in specs if s.model == model]
-        accs = [100 * d["test_acc"] for d in done if d is not None]
+    for model in SWEEP_MODELS:
+        done = finished_trials(root, args.results, model, args.train_size)
+        accs = [100 * d["test_acc"] for d in done]
         net = build(model, budget, args.train_size)
         spec = net.config.basis_spec()
         rows.append(
@@ -253,10 +276,11 @@ def main(argv: list[str] | None = None) -> int:
         except (engine.SetupError, engine.TrainingError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 1
-    for spec in specs:
-        reproduce.keep(root, args.results, spec.name)  # runs an earlier call left in --out
+    for model in SWEEP_MODELS:  # runs an earlier call left in --out go into the record
+        for folder in sorted(root.glob(f"{model}-{args.train_size}-t*")):
+            reproduce.keep(root, args.results, folder.name)
     device = engine.pick_device(args.device)
-    rows = sweep_rows(args, budget, specs, root, device)
+    rows = sweep_rows(args, budget, root, device)
     print(write(rows, args, machine(device)), end="")
     return 0
 
