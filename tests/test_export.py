@@ -966,3 +966,16 @@ def test_app_serves_a_checkpoint_beside_its_exported_file(rst_export):
         assert sorted(served[0].providers) == ["CPUExecutionProvider", "torch-fp32"]
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         _load(["missing.pt"], threads=None)
+
+
+def test_app_default_models_are_the_shipped_files_of_a_fresh_checkout():
+    """`python serve/app.py` with no --model serves the committed int8 files (the float32
+    exports are not committed), and a missing file says how to make it."""
+    from rstcnn.serve.app import DEFAULT_MODELS, _load
+
+    loaded = _load(None, threads=1)
+    assert [c.name for c in loaded] == ["rst_cnn_fb", "cnn"]
+    assert all(c.metadata["rstcnn.precision"] == "int8" for c in loaded)
+    assert all(m.endswith(".int8.onnx") for m in DEFAULT_MODELS)
+    with pytest.raises(FileNotFoundError, match="export/to_onnx.py missing.pt -o missing.onnx"):
+        _load(["missing.onnx"], threads=None)
