@@ -68,7 +68,7 @@ STEP_COST_ARGS="${STEP_COST_ARGS---batch 128 --bf16}"
 # train/kernel_probe.py: each RST convolution alone, fused kernels against torch's operators
 # (time, bytes moved, GB/s; fastpath/kernels.md; empty: skip)
 KERNEL_PROBE_ARGS="${KERNEL_PROBE_ARGS---batch 128 --bf16}"
-K_SWEEP_MODELS="${K_SWEEP_MODELS-rst_cnn_fb_k6 rst_cnn_fb_k9 rst_cnn_fb rst_cnn_fb_k17 rst_cnn_fb_ref rst_cnn_fb_nr4}"
+K_SWEEP="${K_SWEEP-1}"  # the sweep's report (every sweep model, from the record); empty: skip
 SPLIT_CHECKPOINT="${SPLIT_CHECKPOINT-models/rst_cnn_fb.pt}"  # empty: no split check
 SPLIT_SERVED="${SPLIT_SERVED:-models/rst_cnn_fb.int8.onnx models/rst_cnn_fb.pt}"  # in turn
 SPLIT_THREADS="${SPLIT_THREADS:-6}"
@@ -249,9 +249,8 @@ log "finished runs in the record: $(ls "$RESULTS"/runs 2>/dev/null | tr '\n' ' '
 log "unfinished: $(cd "$WORK/reproduce" && for d in */*/*/; do [[ -f $d/summary.json ]] || echo -n "$d "; done)"
 log "test_cuda: $(tail -1 "$WORK/logs/test_cuda.log" 2>/dev/null)"
 log "split check: $(grep -E '^[0-9]+ of [0-9]+ images' "$WORK/logs/split-check.log" 2>/dev/null | tr '\n' ' ')"
-if [[ -n "$K_SWEEP_MODELS" ]]; then
-    # shellcheck disable=SC2086
-    timeout 180 "$PY" train/k_sweep.py --report --budget "$REPRO_BUDGET" --models $K_SWEEP_MODELS \
+if [[ -n "$K_SWEEP" ]]; then
+    timeout 180 "$PY" train/k_sweep.py --report --budget "$REPRO_BUDGET" \
         --train-size "${REPRO_SIZES%% *}" --results "$RESULTS" --out "$WORK/reproduce" \
         --sweep-out "$WORK/k-sweep" --device "$DEVICE" >"$WORK/logs/k-sweep.log" 2>&1 \
         || log "k_sweep exit $?"

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from rstcnn.train import engine, fastpath, precision_check, report, resampling, run, step_cost
+from rstcnn.train.budgets import SWEEP_MODELS
 from rstmodel import create_model, load_checkpoint
 from rstmodel.data import ArrayDataset, RSConfig, VariantDataset, collate, load_rs
 from rstmodel.layers import ConvMethod
@@ -230,7 +231,7 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source, pipelines_run):
         "RSTCNN_ALLOCATOR": "system",
         "SPLIT_LIMIT": "8",  # the served file against its checkpoint on the last 8 test images
         "SPLIT_THREADS": "1",
-        "K_SWEEP_MODELS": "rst_cnn_fb",
+        "K_SWEEP": "1",
         "KERNEL_PROBE_ARGS": "--batch 2 --steps 1 --bf16 --model-arg channels=(4,6,8)",
         "KERNEL_CHECK_LIMIT": "8",  # a checkpoint of this small source (the shipped one's is 70K)
         "KERNEL_CHECK_CHECKPOINT": str(pipelines_run / "best.pt"),
@@ -287,7 +288,9 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source, pipelines_run):
             assert checks[0]["fp32_acc"] == checks[1]["fp32_acc"]
         else:
             assert "no native bfloat16" in tar.extractfile("logs/kernels-check.log").read().decode()
-    assert [(r["model"], r["trials"]) for r in sweep["rows"]] == [("rst_cnn_fb", 1)]
+    # the sweep's report covers every sweep model; only rst_cnn_fb was trained here
+    assert [r["model"] for r in sweep["rows"]] == list(SWEEP_MODELS)
+    assert [(r["model"], r["trials"]) for r in sweep["rows"] if r["trials"]] == [("rst_cnn_fb", 1)]
     assert "k sweep: Verdict: no verdict yet" in log
     runs = sorted(p.name for p in (record / "runs").iterdir())
     assert runs == [
