@@ -161,25 +161,22 @@ def spread_verdict(rows: list[dict[str, Any]]) -> str:
     return f"{DEFAULT} stays: no cheaper setting is within the trials' spread of its accuracy"
 
 
-def finished_trials(root: Path, results: Path, model: str, train_size: int) -> list[dict]:
+def finished_trials(results: Path, model: str, train_size: int) -> list[dict]:
     """The summaries of every finished trial of ``model`` at ``train_size`` without
-    augmentation, from the run folders in ``root`` or the committed record ``results``."""
-    trials = set()
-    for folder in (root, results / "runs"):
-        for path in folder.glob(f"{model}-{train_size}-t*/summary.json"):
-            suffix = path.parent.name.rpartition("-t")[2]
-            if suffix.isdigit():
-                trials.add(int(suffix))
-    specs = (reproduce.RunSpec(model, train_size, False, t) for t in sorted(trials))
-    return [d for d in (reproduce.finished(root, s, results) for s in specs) if d is not None]
+    augmentation in the committed record ``results`` (``main`` keeps ``--out``'s runs there
+    first), in trial order."""
+    paths = results.glob(f"runs/{model}-{train_size}-t*/summary.json")
+    trials = sorted(int(t) for p in paths if (t := p.parent.name.rpartition("-t")[2]).isdigit())
+    specs = (reproduce.RunSpec(model, train_size, False, t) for t in trials)
+    return [d for d in (reproduce.finished(results / "runs", s) for s in specs) if d is not None]
 
 
 def sweep_rows(
-    args: argparse.Namespace, budget: Budget, root: Path, device: torch.device
+    args: argparse.Namespace, budget: Budget, device: torch.device
 ) -> list[dict[str, Any]]:
     rows = []
     for model in SWEEP_MODELS:
-        done = finished_trials(root, args.results, model, args.train_size)
+        done = finished_trials(args.results, model, args.train_size)
         accs = [100 * d["test_acc"] for d in done]
         net = build(model, budget, args.train_size)
         spec = net.config.basis_spec()
@@ -280,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         for folder in sorted(root.glob(f"{model}-{args.train_size}-t*")):
             reproduce.keep(root, args.results, folder.name)
     device = engine.pick_device(args.device)
-    rows = sweep_rows(args, budget, root, device)
+    rows = sweep_rows(args, budget, device)
     print(write(rows, args, machine(device)), end="")
     return 0
 
