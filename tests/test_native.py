@@ -12,7 +12,7 @@ from rstmodel.layers.kernels import joined_complex_product
 SPEC = BasisSpec(BasisFamily.FOURIER_BESSEL, 6, 8, (2.5, 2.5 * 2**0.5, 5.0))  # kernels 5, 7, 9
 
 pytestmark = pytest.mark.skipif(
-    native._library() is None, reason="no C compiler or no AVX-512 on this machine"
+    native._library() is None, reason="no C compiler, or neither AVX-512 nor AVX2 here"
 )
 
 
@@ -75,6 +75,7 @@ def test_the_kernel_is_built_once_and_only_where_it_can_be(tmp_path, monkeypatch
     does not compile, leaves ``torch.bmm`` serving (no exception)."""
     monkeypatch.setenv("RSTMODEL_CACHE", str(tmp_path / "cache"))
     native._library.cache_clear()
+    real_source = native._source
     try:
         assert native._library() is not None
         (built,) = (tmp_path / "cache").glob("joined_rows-*.so")
@@ -92,8 +93,13 @@ def test_the_kernel_is_built_once_and_only_where_it_can_be(tmp_path, monkeypatch
         monkeypatch.delenv("RSTMODEL_NATIVE")
         broken = tmp_path / "broken.c"
         broken.write_text("this is not C\n")
-        monkeypatch.setattr(native, "SOURCE", broken)
+        monkeypatch.setattr(native, "_source", lambda: broken)
         assert native._library() is None
+
+        native._library.cache_clear()
+        monkeypatch.setattr(native, "_cpu_flags", lambda: "flags : fpu sse sse2 avx")
+        monkeypatch.setattr(native, "_source", real_source)
+        assert native._source() is None and native._library() is None
     finally:
         monkeypatch.undo()
         native._library.cache_clear()
@@ -853,6 +859,7 @@ def test_small_gemm_pool_scatters_its_rows_where_the_index_says(w, k, h, segment
             native.small_gemm_pool(a, b, True, out=out.float(), index=index)
 
 
+@paired
 def test_small_gemm_pool_refuses_what_it_cannot_take():
     a, b = torch.randn(6, 4).bfloat16(), torch.randn(4, 4, 8).bfloat16()
     assert not native.small_gemm_pool_available(a, b)  # gradients could be wanted
@@ -862,3 +869,15 @@ def test_small_gemm_pool_refuses_what_it_cannot_take():
         assert not native.small_gemm_pool_available(a, b[:3])  # odd H
         with pytest.raises(ValueError, match="even H, W"):
             native.small_gemm_pool(a, b[:3], True)
+
+
+def test_the_source_follows_the_cpu(monkeypatch):
+    """Every kernel where the CPU has AVX-512, the float32 ones where it has AVX2 and FMA
+    (the portable source), torch's forms elsewhere."""
+    for flags, want in [
+        ("flags : fpu avx avx2 fma avx512f avx512bw", native.SOURCE),
+        ("flags : fpu avx avx2 fma", native.PORTABLE_SOURCE),
+        ("flags : fpu avx avx2", None),
+    ]:
+        monkeypatch.setattr(native, "_cpu_flags", lambda flags=flags: flags)
+        assert native._source() == want, flags

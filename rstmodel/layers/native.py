@@ -132,7 +132,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("_joined_rows.c")
+SOURCE = Path(__file__).with_name("_joined_rows.c")  # AVX-512: every kernel
+PORTABLE_SOURCE = Path(__file__).with_name("_joined_rows_portable.c")  # AVX2: float32 ones
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fopenmp")
 TILE = 16  # columns per tile: one AVX-512 register of float32
 _lock = threading.Lock()
@@ -154,6 +155,17 @@ def _cpu_flags() -> str:
     return next((line for line in lines if line.startswith("flags")), "")
 
 
+def _source() -> Path | None:
+    """The kernels' source for this CPU: every kernel where it has AVX-512, the float32
+    ones where it has AVX2 and FMA, none elsewhere."""
+    flags = set(_cpu_flags().split())
+    if "avx512f" in flags:
+        return SOURCE
+    if {"avx2", "fma"} <= flags:
+        return PORTABLE_SOURCE
+    return None
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernel, or None (with the reason logged) where it cannot be had."""
@@ -161,13 +173,17 @@ def _library() -> ctypes.CDLL | None:
         return None
     if not sys.platform.startswith("linux"):
         return None
+    source = _source()
+    if source is None:
+        log.info("no AVX2 or AVX-512 here: the FFT path's few-row products stay on torch.bmm")
+        return None
     compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
     compiler = shutil.which(compiler) or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.info("no C compiler: the FFT path's few-row products stay on torch.bmm")
         return None
     key = hashlib.sha256(
-        "\n".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_flags()]).encode()
+        "\n".join([source.read_text(), compiler, *FLAGS, _cpu_flags()]).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"joined_rows-{key}.so"
     with _lock:
@@ -177,7 +193,7 @@ def _library() -> ctypes.CDLL | None:
                 with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                     out = Path(tmp) / target.name
                     done = subprocess.run(
-                        [compiler, *FLAGS, "-o", str(out), str(SOURCE)],
+                        [compiler, *FLAGS, "-o", str(out), str(source)],
                         capture_output=True,
                         text=True,
                         timeout=120,
@@ -200,7 +216,7 @@ def _library() -> ctypes.CDLL | None:
     lib.pooled_mix_grad_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 6
     lib.pooled_mix_grad_f32.restype = ctypes.c_int
     lib.pooled_mix_f32.restype = ctypes.c_int
-    if hasattr(lib, "column_stats"):  # built where the CPU has AVX512-BW and -VL
+    if hasattr(lib, "column_stats"):  # AVX-512 where the CPU has AVX512-BW and -VL; AVX2
         lib.column_stats.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 4
         lib.column_stats.restype = ctypes.c_int
         lib.pool2x2.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 6
