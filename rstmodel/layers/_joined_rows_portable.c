@@ -22,8 +22,12 @@
 
 #define TILE 16 /* columns per tile of the packed layouts (the AVX-512 build's register) */
 #define HALF 8 /* columns per vector here */
+#ifndef GROUP
 #define GROUP 3 /* rows of Re x (and of Im x) summed in registers at a time */
+#endif
+#ifndef HGROUP
 #define HGROUP 3 /* halves of channels summed in registers at a time (4 pixels each) */
+#endif
 #define CHUNKS 16 /* chunks of work per thread (the dynamic schedule's) */
 
 typedef float v8 __attribute__((vector_size(4 * HALF)));
@@ -108,6 +112,9 @@ static void product_rows(const float *x, const float *g, float *y, long f0, long
         long r0 = 0;
         for (; r0 + GROUP <= m; r0 += GROUP) half_tile(xf, gt, re, im, m, k, n, c0, r0, GROUP);
         switch (m - r0) {
+#if GROUP > 3
+        case 3: half_tile(xf, gt, re, im, m, k, n, c0, r0, 3); break;
+#endif
         case 2: half_tile(xf, gt, re, im, m, k, n, c0, r0, 2); break;
         case 1: half_tile(xf, gt, re, im, m, k, n, c0, r0, 1); break;
         }

@@ -72,9 +72,13 @@ torch's).
 The kernels are compiled with the system's C compiler on first use (``-O3 -march=native
 -fopenmp``, about a second) into a cache folder keyed by the source, the compiler flags
 and the CPU's flags: ``$RSTMODEL_CACHE``, else ``$XDG_CACHE_HOME/rstmodel``, else
-``~/.cache/rstmodel``. Where there is no compiler, the CPU lacks AVX-512, or
-``RSTMODEL_NATIVE=0``, every ``*available`` check is False and the library keeps torch's
-forms (``kernels.joined_complex_product``, ``kernels._GaussProduct``,
+``~/.cache/rstmodel``. Where the CPU has AVX2 and FMA but no AVX-512 the source is
+``_joined_rows_portable.c``: the float32 kernels (``joined_rows_product``, ``pooled_mix``
+and its training pair, ``column_stats``, ``pool2x2``) with the same entry points, layouts
+and values, in GCC's generic vectors of 8 floats (a tile of 16 taken as two halves, fewer
+sums held in registers for AVX2's 16 of them). Where there is no compiler, neither
+instruction set, or ``RSTMODEL_NATIVE=0``, every ``*available`` check is False and the
+library keeps torch's forms (``kernels.joined_complex_product``, ``kernels._GaussProduct``,
 ``kernels._pooled_mix_rows``, the DFTs' GEMMs), the references these kernels are tested
 against; without AVX512-BF16 only the float32 kernels are built.
 """
