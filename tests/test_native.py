@@ -881,3 +881,35 @@ def test_the_source_follows_the_cpu(monkeypatch):
     ]:
         monkeypatch.setattr(native, "_cpu_flags", lambda flags=flags: flags)
         assert native._source() == want, flags
+
+
+@pytest.mark.skipif(
+    not {"avx2", "fma"} <= set(native._cpu_flags().split()), reason="no AVX2 and FMA here"
+)
+def test_the_portable_kernels_give_the_torch_values_wherever_they_build(monkeypatch):
+    """The portable source built on this CPU whichever source it would get (an AVX-512 CPU
+    runs AVX2 too, so the build is checked on every machine the suite runs on): the same
+    checks as the default build's, over each kernel's group remainders and partial tiles,
+    and no bfloat16 or int8 dot-product kernel in it."""
+    monkeypatch.setattr(native, "_source", lambda: native.PORTABLE_SOURCE)
+    native._library.cache_clear()
+    try:
+        lib = native._library()
+        assert lib is not None and hasattr(lib, "column_stats")
+        assert not hasattr(lib, "paired_rows_product") and not hasattr(lib, "small_gemm_bf16")
+        for rows in (1, 2, 3, 4, 5, 8):
+            for n in (7, 16, 37):
+                test_packed_product_is_the_joined_product(rows, n)
+        for cout in (5, 8, 16, 37, 69):
+            test_pooled_mix_is_the_torch_mixing_and_pool_in_float32(cout, True, True, 12)
+            test_pooled_mix_is_the_torch_mixing_and_pool_in_float32(cout, False, False, 7)
+            test_pooled_mix_train_is_the_torch_forward_with_its_argmax(cout, True, True)
+        test_pooled_mix_grad_is_the_torch_coefficient_gradient()
+        for dtype in (torch.float32, torch.bfloat16):
+            test_pool2x2_is_the_torch_pool_bit_for_bit(dtype, True)
+            test_pool2x2_is_the_torch_pool_bit_for_bit(dtype, False)
+            for n, c in ((5, 204), (1000, 37), (70000, 69)):
+                test_column_stats_are_the_float64_sums(dtype, n, c)
+    finally:
+        monkeypatch.undo()
+        native._library.cache_clear()
