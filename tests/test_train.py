@@ -937,3 +937,31 @@ def test_kernel_probe_times_and_counts_each_layer_both_ways(tmp_path, capsys):
     for r in rows:
         assert float(r[1]) > 0 and float(r[4]) > 0  # both timed
         assert float(r[5]) < float(r[2])  # the fused operators' bytes: fewer
+
+
+def test_loops_log_their_progress_where_no_bar_is_drawn(monkeypatch, caplog):
+    """Output not a terminal (nohup, a log file): tqdm draws nothing, so the loops log the
+    batches done and the time left instead; on a terminal, or off the main process, they
+    log nothing and pass every item through."""
+    from tqdm import tqdm
+
+    monkeypatch.setattr(engine, "HEARTBEAT_S", 0.0)
+    with caplog.at_level(logging.INFO, logger="train"):
+        items = list(engine.logged(tqdm(range(4), disable=True), "test"))
+    assert items == [0, 1, 2, 3]
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("test: 1 of 4 batches,") and "min left" in lines[0]
+    assert lines[-1].startswith("test: 4 of 4 batches,") and len(lines) == 4
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="train"):
+        assert list(engine.logged(tqdm(iter("ab"), disable=True), "val")) == ["a", "b"]
+        assert list(engine.logged(tqdm(range(3), disable=True), "val", show=False)) == [0, 1, 2]
+    assert [r.getMessage().split(",")[0] for r in caplog.records] == [
+        "val: 1 batches",
+        "val: 2 batches",
+    ]
+    monkeypatch.setattr(engine, "HEARTBEAT_S", 3600.0)
+    with caplog.at_level(logging.INFO, logger="train"):
+        caplog.clear()
+        assert list(engine.logged(tqdm(range(3), disable=True), "val")) == [0, 1, 2]
+    assert not caplog.records

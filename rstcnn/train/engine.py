@@ -67,6 +67,36 @@ except ImportError:  # not POSIX: runs in one folder are not guarded against eac
 
 log = logging.getLogger("train")
 
+HEARTBEAT_S = 300.0  # a progress line this often where no bar is drawn
+
+
+def logged(bar: tqdm, desc: str, show: bool = True) -> Iterator:
+    """Iterate ``bar`` (drawn as ``desc``). Where it draws nothing because the output is not a terminal (nohup, a
+    log file) and ``show``, log the progress every ``HEARTBEAT_S`` seconds instead: batches
+    done and the time left at the rate so far (a test split can take most of an hour on a
+    CPU, and a run stopped by its deadline in there starts it again)."""
+    if not (show and bar.disable):
+        yield from bar
+        return
+    try:
+        total = len(bar.iterable)
+    except TypeError:
+        total = None
+    start = last = time.monotonic()
+    for done, item in enumerate(bar.iterable, 1):
+        yield item  # resumes when the caller has finished with the batch
+        now = time.monotonic()
+        if now - last < HEARTBEAT_S:
+            continue
+        last, spent = now, (now - start) / 60
+        if total:
+            left = spent / done * (total - done)
+            log.info(
+                "%s: %d of %d batches, %.1f min, ~%.1f min left", desc, done, total, spent, left
+            )
+        else:
+            log.info("%s: %d batches, %.1f min", desc, done, spent)
+
 
 class SetupError(Exception):
     """A problem found before training; the message says what to change."""
@@ -720,15 +750,16 @@ class Trial:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         correct = torch.zeros((), dtype=torch.int64, device=self.device)
         seen = 0
+        bar_desc = f"epoch {epoch}/{self.args.epochs}"
         bar = tqdm(
             self.train_loader,
-            desc=f"epoch {epoch}/{self.args.epochs}",
+            desc=bar_desc,
             unit="batch",
             leave=False,
             dynamic_ncols=True,
             disable=None if self.procs.main else True,
         )
-        for step, (images, labels) in enumerate(bar, 1):
+        for step, (images, labels) in enumerate(logged(bar, bar_desc, self.procs.main), 1):
             self.check_stop()
             images = images.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
@@ -778,7 +809,7 @@ class Trial:
         bar = tqdm(
             loader, desc=name, unit="batch", leave=False, disable=None if self.procs.main else True
         )
-        for images, labels in bar:
+        for images, labels in logged(bar, name, self.procs.main):
             self.stop.check()
             images = images.to(self.device, non_blocking=True)
             labels = labels.to(self.device, non_blocking=True)
