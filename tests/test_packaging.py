@@ -37,7 +37,8 @@ def test_the_wheel_holds_one_namespace_and_the_gallery(wheel):
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"rstcnn", "rstmodel"}
     assert "rstcnn/serve/gallery/samples.json" in names
-    assert "rstmodel/layers/_joined_rows.c" in names  # the compiled kernel's source
+    for source in ("_joined_rows.c", "_joined_rows_portable.c", "_kernels_common.h"):
+        assert f"rstmodel/layers/{source}" in names  # the compiled kernels' sources
     assert any(n.startswith("rstcnn/serve/gallery/") and n.endswith(".png") for n in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()

@@ -18,21 +18,15 @@
  * the HTTP threads, and a thread the OS preempts then holds up its chunk, not half the
  * kernel while the other waits at the end. */
 #include <immintrin.h>
-#include <omp.h>
-#include <stdlib.h>
+
+#include "_kernels_common.h"
 
 #ifndef __AVX512F__
 #error "AVX-512 only: elsewhere the library keeps torch.bmm"
 #endif
 
 #define GROUP 4 /* rows of Re x (and of Im x) summed in registers at a time */
-#define CHUNKS 16 /* chunks of work per thread (the dynamic schedule's) */
 
-/* units of work per chunk: CHUNKS per thread, at least one */
-static inline long chunk_size(long units, long threads) {
-  const long c = units / (threads * CHUNKS);
-  return c > 0 ? c : 1;
-}
 #define LANES 16
 typedef float v16 __attribute__((vector_size(4 * LANES)));
 typedef float v16u __attribute__((vector_size(4 * LANES), aligned(4)));
@@ -850,15 +844,9 @@ int small_gemm_pool_scatter_bf16(const int *a, const unsigned short *b, unsigned
 #endif
 
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
-/* The batch norm's column sums over [N, C] rows (channels innermost), in one pass:
- *   g == NULL:  s[c] = sum_n (x - k[c]),  s[C + c] = sum_n (x - k[c])^2
- *   g != NULL:  s[c] = sum_n g,           s[C + c] = sum_n g (x - k[c])
- * x and g float32 (bf16 == 0) or bfloat16 (bf16 == 1, widened exactly). Blocks of SROWS rows
- * are summed in float32 in registers, 16 columns at a time (a block's rows stay in cache for
- * the next 16), the blocks added in float64 per thread and the threads' partials at the end
- * into s (float64, 2C, zeroed by the caller). The shift k (a value near each column's mean)
- * keeps the one-pass variance free of cancellation. */
-#define SROWS 256
+/* The batch norm's column sums (_kernels_common.h's column_sums) over one block of rows:
+ * x and g float32 (bf16 == 0) or bfloat16 (bf16 == 1, widened exactly), summed in float32
+ * in registers, 16 columns at a time (a block's rows stay in cache for the next 16). */
 
 static inline __attribute__((always_inline)) __m512 row16(const void *p, long i, long bf16,
                                                           __mmask16 m) {
@@ -912,23 +900,7 @@ static void stat_block(const void *x, const void *g, const float *k, double *s, 
 
 int column_stats(const void *x, const void *g, const float *k, double *s, long n, long c,
                  long bf16, long threads) {
-  if (n < 1 || c < 1 || threads < 1) return 1;
-  const long blocks = (n + SROWS - 1) / SROWS;
-  double *part = calloc((size_t)(threads * 2 * c), sizeof(double));
-  if (!part) return 2;
-#pragma omp parallel num_threads(threads)
-  {
-    double *mine = part + omp_get_thread_num() * 2 * c;
-#pragma omp for schedule(dynamic, chunk_size(blocks, threads))
-    for (long b = 0; b < blocks; ++b) {
-      const long r0 = b * SROWS, r1 = r0 + SROWS < n ? r0 + SROWS : n;
-      stat_block(x, g, k, mine, r0, r1, c, bf16);
-    }
-  }
-  for (long t = 0; t < threads; ++t)
-    for (long i = 0; i < 2 * c; ++i) s[i] += part[t * 2 * c + i];
-  free(part);
-  return 0;
+  return column_sums(stat_block, x, g, k, s, n, c, bf16, threads);
 }
 #endif
 

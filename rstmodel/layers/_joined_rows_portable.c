@@ -13,8 +13,7 @@
  *
  * Every kernel hands its work to OpenMP threads in chunks, as the AVX-512 build does
  * (CHUNKS per thread, the dynamic schedule). */
-#include <omp.h>
-#include <stdlib.h>
+#include "_kernels_common.h"
 
 #if !defined(__AVX2__) || !defined(__FMA__)
 #error "AVX2 and FMA only: elsewhere the library keeps torch's forms"
@@ -28,7 +27,6 @@
 #ifndef HGROUP
 #define HGROUP 3 /* halves of channels summed in registers at a time (4 pixels each) */
 #endif
-#define CHUNKS 16 /* chunks of work per thread (the dynamic schedule's) */
 
 typedef float v8 __attribute__((vector_size(4 * HALF)));
 typedef float v8u __attribute__((vector_size(4 * HALF), aligned(4)));
@@ -37,11 +35,6 @@ typedef unsigned int v8w __attribute__((vector_size(4 * HALF)));
 typedef unsigned short v8h __attribute__((vector_size(2 * HALF)));
 typedef unsigned short v8hu __attribute__((vector_size(2 * HALF), aligned(2)));
 
-/* units of work per chunk: CHUNKS per thread, at least one */
-static inline long chunk_size(long units, long threads) {
-  const long c = units / (threads * CHUNKS);
-  return c > 0 ? c : 1;
-}
 
 static inline long lanes_left(long total, long at) {
   return total - at < HALF ? total - at : HALF;
@@ -287,12 +280,8 @@ static inline void put8(void *p, long i, long bf16, long width, v8 v) {
     for (long l = 0; l < width; ++l) d[l] = hv[l];
 }
 
-#define SROWS 256 /* rows summed in float32 before a float64 addition */
-
-/* The batch norm's column sums over [N, C] rows (the AVX-512 build's column_stats):
- *   g == NULL:  s[c] = sum_n (x - k[c]),  s[C + c] = sum_n (x - k[c])^2
- *   g != NULL:  s[c] = sum_n g,           s[C + c] = sum_n g (x - k[c])
- * blocks of SROWS rows in float32, even and odd rows apart, added in float64. */
+/* The batch norm's column sums (_kernels_common.h's column_sums) over one block of rows,
+ * in float32, 8 columns at a time, even and odd rows apart. */
 static void stat_block(const void *x, const void *g, const float *k, double *s, long r0,
                        long r1, long c, long bf16) {
   for (long j = 0; j < c; j += HALF) {
@@ -331,23 +320,7 @@ static void stat_block(const void *x, const void *g, const float *k, double *s, 
 
 int column_stats(const void *x, const void *g, const float *k, double *s, long n, long c,
                  long bf16, long threads) {
-  if (n < 1 || c < 1 || threads < 1) return 1;
-  const long blocks = (n + SROWS - 1) / SROWS;
-  double *part = calloc((size_t)(threads * 2 * c), sizeof(double));
-  if (!part) return 2;
-#pragma omp parallel num_threads(threads)
-  {
-    double *mine = part + omp_get_thread_num() * 2 * c;
-#pragma omp for schedule(dynamic, chunk_size(blocks, threads))
-    for (long b = 0; b < blocks; ++b) {
-      const long r0 = b * SROWS, r1 = r0 + SROWS < n ? r0 + SROWS : n;
-      stat_block(x, g, k, mine, r0, r1, c, bf16);
-    }
-  }
-  for (long t = 0; t < threads; ++t)
-    for (long i = 0; i < 2 * c; ++i) s[i] += part[t * 2 * c + i];
-  free(part);
-  return 0;
+  return column_sums(stat_block, x, g, k, s, n, c, bf16, threads);
 }
 
 /* 2x2 max-pool of spatial-major maps x [H, W, L] -> out [H/2, W/2, L], through the ReLU if

@@ -138,6 +138,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("_joined_rows.c")  # AVX-512: every kernel
 PORTABLE_SOURCE = Path(__file__).with_name("_joined_rows_portable.c")  # AVX2: float32 ones
+HEADER = Path(__file__).with_name("_kernels_common.h")  # what both include
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC", "-fopenmp")
 TILE = 16  # columns per tile: one AVX-512 register of float32
 _lock = threading.Lock()
@@ -187,7 +188,7 @@ def _library() -> ctypes.CDLL | None:
         log.info("no C compiler: the FFT path's few-row products stay on torch.bmm")
         return None
     key = hashlib.sha256(
-        "\n".join([source.read_text(), compiler, *FLAGS, _cpu_flags()]).encode()
+        "\n".join([source.read_text(), HEADER.read_text(), compiler, *FLAGS, _cpu_flags()]).encode()
     ).hexdigest()[:16]
     target = _cache_dir() / f"joined_rows-{key}.so"
     with _lock:
