@@ -75,7 +75,7 @@ def test_the_kernel_is_built_once_and_only_where_it_can_be(tmp_path, monkeypatch
     does not compile, leaves ``torch.bmm`` serving (no exception)."""
     monkeypatch.setenv("RSTMODEL_CACHE", str(tmp_path / "cache"))
     native._library.cache_clear()
-    real_source = native._source
+    real_source, real_header = native._source, native.HEADER
     try:
         assert native._library() is not None
         (built,) = (tmp_path / "cache").glob("joined_rows-*.so")
@@ -83,6 +83,14 @@ def test_the_kernel_is_built_once_and_only_where_it_can_be(tmp_path, monkeypatch
         native._library.cache_clear()
         assert native._library() is not None and built.stat().st_mtime_ns == stamp
         assert list((tmp_path / "cache").glob("*")) == [built]
+
+        header = tmp_path / "common.h"  # an edit to the shared header builds anew
+        header.write_text(native.HEADER.read_text() + "/* edited */\n")
+        monkeypatch.setattr(native, "HEADER", header)
+        native._library.cache_clear()
+        assert native._library() is not None
+        assert len(list((tmp_path / "cache").glob("joined_rows-*.so"))) == 2
+        monkeypatch.setattr(native, "HEADER", real_header)
 
         native._library.cache_clear()
         monkeypatch.setenv("RSTMODEL_NATIVE", "0")
