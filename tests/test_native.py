@@ -921,3 +921,16 @@ def test_the_portable_kernels_give_the_torch_values_wherever_they_build(monkeypa
     finally:
         monkeypatch.undo()
         native._library.cache_clear()
+
+
+def test_build_name_says_which_kernels_run(monkeypatch):
+    """What benchmark headers print: the build this CPU gets, or torch's forms."""
+    want = {native.SOURCE: "AVX-512 kernels", native.PORTABLE_SOURCE: "AVX2 kernels"}
+    assert native.build_name() == want[native._source()]
+    native._library.cache_clear()
+    monkeypatch.setenv("RSTMODEL_NATIVE", "0")
+    try:
+        assert native.build_name() == "torch's forms"
+    finally:
+        monkeypatch.undo()
+        native._library.cache_clear()

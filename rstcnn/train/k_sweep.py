@@ -50,6 +50,7 @@ from rstcnn.train import engine, reproduce
 from rstcnn.train.budgets import BUDGETS, SWEEP_MODELS, Budget, budget_config
 from rstcnn.train.experiments import plt
 from rstmodel import create_model
+from rstmodel.layers import native
 
 DEFAULT = "rst_cnn_fb"
 MIN_TRIALS = 3  # trials each side needs before a cheaper setting may replace the default
@@ -204,7 +205,7 @@ def sweep_rows(
 def machine(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"CPU, {torch.get_num_threads()} threads"
+    return f"CPU ({native.build_name()}), {torch.get_num_threads()} threads"
 
 
 def write(rows: list[dict[str, Any]], args: argparse.Namespace, where: str) -> str:

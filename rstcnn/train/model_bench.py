@@ -256,12 +256,15 @@ def _worktree(rev: str):
 
 
 def _report(rows: list[_Row], old_rows: list[_Row], args: argparse.Namespace) -> None:
+    from rstmodel.layers import native  # this tree's: which kernels the CPU runs
+
     device = torch.device(args.device)
     base = rows[0]
     where = (
         torch.cuda.get_device_name(device)
         if device.type == "cuda"
-        else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        else f"{platform.processor() or platform.machine()} ({native.build_name()}), "
+        f"{torch.get_num_threads()} threads"
     )
     memory = "peak GPU memory" if device.type == "cuda" else "peak RSS"
     precision = "bfloat16 autocast" if args.bf16 else "float32"

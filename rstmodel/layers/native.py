@@ -104,6 +104,7 @@ from torch import Tensor
 
 __all__ = [
     "available",
+    "build_name",
     "pack_joined",
     "joined_rows_product",
     "paired_available",
@@ -169,6 +170,15 @@ def _source() -> Path | None:
     if {"avx2", "fma"} <= flags:
         return PORTABLE_SOURCE
     return None
+
+
+def build_name() -> str:
+    """Which kernels run on this CPU, in words for a benchmark's header: "AVX-512 kernels",
+    "AVX2 kernels" or "torch's forms" (no compiler, neither instruction set, or
+    ``RSTMODEL_NATIVE=0``)."""
+    if _library() is None:
+        return "torch's forms"
+    return "AVX-512 kernels" if _source() == SOURCE else "AVX2 kernels"
 
 
 @functools.cache
