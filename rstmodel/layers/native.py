@@ -1,5 +1,6 @@
 """Compiled kernels for the FFT path's per-frequency products in eval on the CPU: float32
-with AVX-512, and bfloat16 autocast where the CPU has AVX512-BF16.
+with AVX-512 or AVX2 (a portable build, below), and bfloat16 autocast where the CPU has
+AVX512-BF16.
 
 At batch 1 the eval forward's per-frequency complex products (``[4 turned copies, Cin] x
 [Cin, Cout]`` for every frequency) read hundreds of MB of filter spectra and do 8 multiply-
