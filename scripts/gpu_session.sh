@@ -150,10 +150,11 @@ else
 fi
 if [[ -n "$STEP_COST_ARGS" ]]; then
     # FLOPs and bytes of one training step as this device runs it, beside the step's time
+    # in the first of FASTPATH_SETTINGS
     measured=$("$PY" -c '
 import json, sys
-rows = [r for r in json.load(open(sys.argv[1])) if r["model"] != "cnn" and r["setting"] == "bf16"]
-print("%.2f" % (rows[0]["train_s"] * 1e3) if rows else "")' "$WORK/fastpath/fastpath.json" 2>/dev/null)
+rows = [r for r in json.load(open(sys.argv[1])) if r["model"] != "cnn" and r["setting"] == sys.argv[2]]
+print("%.2f" % (rows[0]["train_s"] * 1e3) if rows else "")' "$WORK/fastpath/fastpath.json" "${settings[0]}" 2>/dev/null)
     # shellcheck disable=SC2086
     timeout "$FASTPATH_TIMEOUT" "$PY" train/step_cost.py --device "$DEVICE" $STEP_COST_ARGS \
         ${measured:+--measured-ms "$measured"} --out "$WORK/fastpath/step-cost.md" \

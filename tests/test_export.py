@@ -867,17 +867,26 @@ def test_eager_engine_joins_concurrent_calls_with_the_same_answers(rst_export):
     assert len(eager._run.batches) - calls_before < len(images)  # some calls were joined
 
 
-def test_eager_bf16_is_served_only_with_its_own_passing_check(rst_export, tmp_path, caplog):
+def test_eager_bf16_is_served_only_with_its_own_passing_check(
+    rst_export, tmp_path, caplog, monkeypatch
+):
+    """The gates as a CPU with native bfloat16 reads them (such a CPU stood in for where
+    there is none: loading runs no bfloat16); where there is none, asking for it is refused."""
     import shutil
 
     from rstcnn.export.onnx_export import file_sha256
     from rstcnn.serve.classifier import Classifier
     from rstcnn.serve.eager import gate_path, write_gate
     from rstcnn.serve.variants import servable
-    from rstmodel.precision import bf16_supported
+    from rstmodel import precision
 
     checkpoint = tmp_path / "model.pt"
     shutil.copy(rst_export[3], checkpoint)
+    monkeypatch.setattr(precision, "bf16_supported", lambda *_: False)
+    with pytest.raises(ValueError, match="does not run bf16 natively.*'auto' or 'fp32'"):
+        Classifier.from_checkpoint(checkpoint, "bf16")
+    monkeypatch.setattr(precision, "bf16_supported", lambda *_: True)
+    bf16_supported = precision.bf16_supported
     digest = file_sha256(checkpoint)
     # no check recorded: "auto" is exact float32; bf16 asked for is not servable
     assert Classifier.from_checkpoint(checkpoint).metadata["rstcnn.precision"] == "fp32"

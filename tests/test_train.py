@@ -210,7 +210,11 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source, pipelines_run):
     it renders the protocol's realisations, times and profiles the fast path, runs the
     protocol's shards side by side with its flags into the committed record, carries an
     unfinished run to the next call, and leaves exactly the files that come back."""
+    from rstmodel.precision import bf16_supported
+
     out, work, record = tmp_path / "out", tmp_path / "work", tmp_path / "record"
+    # bfloat16 where this CPU runs it; where it would be emulated (minutes a step), float32
+    bf16 = "--bf16 " if bf16_supported() else ""
     settings = {
         "DEVICE": "cpu",
         "DEADLINE": "300",
@@ -222,7 +226,8 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source, pipelines_run):
         # trials 0 and 1 of cnn and scale_cnn in two processes side by side
         "SHARDS": "rst_cnn_fb@1 cnn,scale_cnn@0-0 cnn,scale_cnn@1-1",
         "FASTPATH_ALIGNED": "(8,8,8)",  # the whole step again at other widths
-        "STEP_COST_ARGS": "--batch 2 --bf16 --model-arg channels=(4,6,8) --model-arg hidden=16",
+        "FASTPATH_SETTINGS": "bf16;bf16 torch" if bf16 else "fp32;tf32",
+        "STEP_COST_ARGS": f"--batch 2 {bf16}--model-arg channels=(4,6,8) --model-arg hidden=16",
         "FASTPATH_ARGS": "--steps 1 --batch 8 --profile --align-probe --model-arg channels=(4,6,8)",
         "DATA_ROOT": str(source["root"]),
         "WORK": str(work),
@@ -232,7 +237,7 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source, pipelines_run):
         "SPLIT_LIMIT": "8",  # the served file against its checkpoint on the last 8 test images
         "SPLIT_THREADS": "1",
         "K_SWEEP": "1",
-        "KERNEL_PROBE_ARGS": "--batch 2 --steps 1 --bf16 --model-arg channels=(4,6,8)",
+        "KERNEL_PROBE_ARGS": f"--batch 2 --steps 1 {bf16}--model-arg channels=(4,6,8)",
         "KERNEL_CHECK_LIMIT": "8",  # a checkpoint of this small source (the shipped one's is 70K)
         "KERNEL_CHECK_CHECKPOINT": str(pipelines_run / "best.pt"),
     }

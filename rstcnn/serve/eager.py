@@ -118,6 +118,11 @@ def load(
     model = model.float().eval()
     digest = file_sha256(checkpoint)
     runs = {"int8": int8_supported, "bf16": bf16_supported}
+    if precision in runs and not runs[precision]():
+        raise ValueError(
+            f"this CPU does not run {precision} natively (bf16: AVX512-BF16 or AMX; int8: "
+            "AVX512-BF16 and AVX512-VNNI): use precision 'auto' or 'fp32'"
+        )
     gates = {p: read_gate(checkpoint, digest, p) for p in REDUCED if runs[p]()}
     if precision == "auto":
         passed = [p for p, gate in gates.items() if gate and gate["passes"]]
