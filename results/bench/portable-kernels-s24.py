@@ -13,10 +13,10 @@ outputs), and the lifting layer's pooled mixing at batch 1.
 import ctypes
 import functools
 import subprocess
-import time
 
 import torch
 
+from rstcnn.export.bench import time_call
 from rstmodel.layers import native
 from rstmodel.layers.kernels import joined_complex_product
 
@@ -34,13 +34,8 @@ for g, hg in [(2, 2), (3, 3), (4, 2)]:
 
 
 def ms(fn, n=20):
-    fn()
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[n // 2] * 1e3
+    """Median milliseconds of n calls after a warm-up (export.bench's timer)."""
+    return time_call(fn, n) * 1e3
 
 
 for f, m, k, n in [
