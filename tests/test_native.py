@@ -879,6 +879,117 @@ def test_small_gemm_pool_refuses_what_it_cannot_take():
             native.small_gemm_pool(a, b[:3], True)
 
 
+f32_gemms = pytest.mark.skipif(
+    not hasattr(native._library(), "small_gemm_f32"),
+    reason="the float32 DFT GEMMs are the AVX2 build's (checked on every AVX2 CPU below)",
+)
+
+
+@f32_gemms
+@pytest.mark.parametrize(
+    "a_shape,b_shape",
+    [
+        ((5, 6), (6, 33)),
+        ((13, 3), (3, 17)),
+        ((1, 7), (2, 7, 40)),
+        ((8, 28), (3, 28, 70)),
+        ((56, 70), (70, 200)),
+        ((7, 1), (1, 129)),
+    ],
+)
+def test_small_gemm_is_the_float32_product(a_shape, b_shape):
+    """Rows of A in blocks of six and every remainder (1, 5, 7, 8, 13, 56 rows), odd K,
+    panels of 16 columns whole and cut short, one matrix or a batch: the product of the
+    float32 inputs, summed in float32."""
+    a, b = torch.randn(*a_shape), torch.randn(*b_shape)
+    got = native.small_gemm(a, b)
+    want = a.double() @ b.double()
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@f32_gemms
+@pytest.mark.parametrize(
+    "m,k,batch,segments,seg",
+    [(32, 28, 3, 8, 552), (18, 14, 2, 16, 69), (5, 3, 3, 4, 40), (9, 4, 2, 3, 33)],
+)
+def test_small_gemm_gather_is_the_float32_product_of_the_gathered_rows(m, k, batch, segments, seg):
+    """Segments of 33-552 values, so that panels lie in one segment, span two, or end short:
+    bit for bit ``small_gemm`` on the gathered copy (rows repeated and in any order)."""
+    src, a = torch.randn(50, seg), torch.randn(m, k)
+    index = torch.randint(0, 50, (batch * k * segments,))
+    want = native.small_gemm(a, src[index].view(batch, k, segments * seg))
+    got = native.small_gemm_gather(a, src, index, batch)
+    assert got.shape == (batch, m, segments * seg) and torch.equal(got, want)
+
+
+@f32_gemms
+@pytest.mark.parametrize("relu", [True, False])
+@pytest.mark.parametrize("w,h,k,n", [(28, 4, 32, 70), (6, 2, 5, 33), (14, 6, 28, 16), (2, 2, 1, 7)])
+def test_small_gemm_pool_is_the_float32_product_pooled(relu, w, h, k, n):
+    """The 2x2 max pool (and ReLU) of the product, widths whole and cut short; scattered
+    through an index, bit for bit the same values in the rows it names, others untouched."""
+    a, b = torch.randn(w, k), torch.randn(h, k, n)
+    full = (a.double() @ b.double()).view(h // 2, 2, w // 2, 2, n).amax((1, 3))
+    want = full.clamp_min(0) if relu else full
+    with torch.no_grad():
+        got = native.small_gemm_pool(a, b, relu)
+        assert got.shape == (h // 2, w // 2, n) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        if n < 32:
+            return
+        rows = (h // 2) * (w // 2)
+        index = torch.randperm(rows + 3)[:rows]
+        out = torch.full((rows + 3, n), 7.0)
+        expect = out.clone()
+        expect[index] = got.reshape(-1, n)
+        assert native.small_gemm_pool(a, b, relu, out=out, index=index) is out
+        assert torch.equal(out, expect)
+
+
+@f32_gemms
+def test_small_gemm_refuses_what_the_float32_kernels_cannot_take():
+    a, b = torch.randn(4, 6), torch.randn(6, 40)
+    assert native.small_gemm_available(a, b)
+    assert not native.small_gemm_available(a.double(), b.double())
+    assert not native.small_gemm_available(a, b.bfloat16())  # mixed dtypes
+    assert not native.small_gemm_available(torch.randn(4, 513), torch.randn(513, 40))
+    assert not native.small_gemm_available(a.requires_grad_(True), b)
+    with pytest.raises(ValueError, match="K <= 512"):
+        native.small_gemm(a.double(), b.double())
+
+
+@f32_gemms
+def test_the_fft_path_takes_the_float32_gemms_in_eval(monkeypatch):
+    """Eval in float32: every DFT GEMM of the FFT path runs through the kernels (the forward
+    DFTs' first reading rows where they lie, the inverse's last pooled), and the logits are
+    those of torch's GEMMs."""
+    from rstmodel import create_model
+
+    torch.manual_seed(0)
+    model = create_model("rst_cnn_fb", channels=(8, 10, 12)).eval()
+    x = torch.randn(4, 1, 56, 56)  # rows of B Cin = 32 and 40 values
+    calls = {}
+    for name in ("small_gemm", "small_gemm_gather", "small_gemm_pool"):
+        real = getattr(native, name)
+        monkeypatch.setattr(
+            native,
+            name,
+            lambda *a, n=name, r=real, **k: calls.update({n: calls.get(n, 0) + 1}) or r(*a, **k),
+        )
+    with torch.no_grad():
+        fast = model(x)
+        assert calls == {"small_gemm_gather": 8, "small_gemm": 16, "small_gemm_pool": 8}
+        for name in (
+            "small_gemm_available",
+            "small_gemm_gather_available",
+            "small_gemm_pool_available",
+        ):
+            monkeypatch.setattr(native, name, lambda *_: False)
+        plain = model(x)
+    torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-5)
+
+
 def test_the_source_follows_the_cpu(monkeypatch):
     """Every kernel where the CPU has AVX-512, the float32 ones where it has AVX2 and FMA
     (the portable source), torch's forms elsewhere."""
@@ -905,6 +1016,7 @@ def test_the_portable_kernels_give_the_torch_values_wherever_they_build(monkeypa
         lib = native._library()
         assert lib is not None and hasattr(lib, "column_stats")
         assert not hasattr(lib, "paired_rows_product") and not hasattr(lib, "small_gemm_bf16")
+        assert hasattr(lib, "small_gemm_f32")
         for rows in (1, 2, 3, 4, 5, 8):
             for n in (7, 16, 37):
                 test_packed_product_is_the_joined_product(rows, n)
@@ -918,6 +1030,14 @@ def test_the_portable_kernels_give_the_torch_values_wherever_they_build(monkeypa
             test_pool2x2_is_the_torch_pool_bit_for_bit(dtype, False)
             for n, c in ((5, 204), (1000, 37), (70000, 69)):
                 test_column_stats_are_the_float64_sums(dtype, n, c)
+        for a_shape, b_shape in (((13, 3), (3, 17)), ((8, 28), (3, 28, 70)), ((1, 7), (7, 129))):
+            test_small_gemm_is_the_float32_product(a_shape, b_shape)
+        test_small_gemm_gather_is_the_float32_product_of_the_gathered_rows(18, 14, 2, 16, 69)
+        test_small_gemm_gather_is_the_float32_product_of_the_gathered_rows(9, 4, 2, 3, 33)
+        for relu in (True, False):
+            test_small_gemm_pool_is_the_float32_product_pooled(relu, 28, 4, 32, 70)
+            test_small_gemm_pool_is_the_float32_product_pooled(relu, 6, 2, 5, 33)
+        test_the_fft_path_takes_the_float32_gemms_in_eval(monkeypatch)
     finally:
         monkeypatch.undo()
         native._library.cache_clear()

@@ -7,7 +7,9 @@
  * registers at a time (GROUP rows of the products, HGROUP halves of the pooled mixing).
  *
  * Built here: joined_rows_product, pooled_mix_f32, pooled_mix_grad_f32, column_stats,
- * pool2x2, unpool2x2 (the last three also take bfloat16, widened exactly by a shift). The
+ * pool2x2, unpool2x2 (the last three also take bfloat16, widened exactly by a shift), and
+ * the DFTs' GEMMs in float32 (small_gemm_f32, its gathered and pooled forms: the AVX-512
+ * build's bfloat16 ones have no float32 twin there, where the library GEMM serves). The
  * bfloat16 and int8 dot-product kernels need AVX512-BF16 and AVX512-VNNI and are absent;
  * rstmodel.layers.native then keeps torch's forms for them.
  *
@@ -371,4 +373,225 @@ int unpool2x2(const void *grad, const unsigned char *code, void *gx, long h, lon
     for (int q = 0; q < 4; ++q) put8(gx, at[q], bf16, width, vselect(c == q, g));
   }
   return 0;
+}
+
+/* ------------------------------------------------------- the DFTs' GEMMs in float32 */
+
+/* C[b] = A B[b] for a small A (M x K: a DFT matrix of a few dozen rows and columns) and
+ * long rows in B (K x N, up to millions of columns, or a batch of them): the float32 form
+ * of the AVX-512 build's bfloat16 small_gemm (rstmodel.layers.native.small_gemm). A library
+ * GEMM tiles for square problems and ran these shapes at 11-25 G multiply-adds/s on a
+ * 2-core AVX2 CPU; here A stays in L1 and B streams through once. Each panel of PANEL
+ * columns of B (its K rows, prefetched ahead: K streams a row stride apart are more than the
+ * hardware prefetcher follows) is copied into an L1 buffer, zero past N, and each block of
+ * GRB rows of A sums it in 2 GRB registers, one broadcast of A's element per row and k.
+ * Threads split the (batch, panel) pairs. The gathered form reads B's rows through an
+ * index (small_gemm_gather_f32); the pooled form computes two rows of B's batch side by
+ * side and writes only their 2x2 max pool (small_gemm_pool_f32). */
+#define PANEL 16 /* columns of B per panel: two vectors */
+#define GRB 6 /* rows of A summed in registers at a time (12 sums; fblocks' cases 1-6) */
+#define KMAX 512 /* rows of B a panel buffer holds */
+#define AHEAD 64 /* floats ahead that a panel's rows are prefetched */
+#ifndef UNIT
+#define UNIT 64 /* columns of B per unit of work: its rows copied in one pass */
+#endif
+
+typedef struct {
+  const float *a, *b;
+  float *c;
+  long batch, ldb_batch, ldc_batch, m, k, n;
+  const long *idx; /* NULL, or B's rows gathered (small_gemm_gather_f32) */
+  long seg;
+} fjob_t;
+
+/* rows [m0, m0 + g) of A times the panel in buf (K x PANEL), into C (row stride n) */
+static inline __attribute__((always_inline)) void fblock(const float *a, const float *buf,
+                                                         float *c, long n, long k, long m0,
+                                                         long width, const long g) {
+  v8 acc[GRB][2];
+  for (long r = 0; r < g; ++r) acc[r][0] = acc[r][1] = (v8){0};
+  const float *ar = a + m0 * k;
+  for (long i = 0; i < k; ++i) {
+    const v8 b0 = *(const v8 *)(buf + i * PANEL), b1 = *(const v8 *)(buf + i * PANEL + HALF);
+#pragma GCC unroll 8
+    for (long r = 0; r < g; ++r) {
+      const float s = ar[r * k + i];
+      acc[r][0] += s * b0;
+      acc[r][1] += s * b1;
+    }
+  }
+  for (long r = 0; r < g; ++r) {
+    store8(c + (m0 + r) * n, acc[r][0], width);
+    if (width > HALF) store8(c + (m0 + r) * n + HALF, acc[r][1], width - HALF);
+  }
+}
+
+/* the K rows of a panel of B (row stride n), `width` columns, into buf, zeros after them */
+static void copy_panel(const float *b, long n, long k, long width, float *buf) {
+  for (long i = 0; i < k; ++i) {
+    const float *row = b + i * n;
+    __builtin_prefetch(row + AHEAD);
+    *(v8 *)(buf + i * PANEL) = load8(row, width);
+    *(v8 *)(buf + i * PANEL + HALF) = width > HALF ? load8(row + HALF, width - HALF) : (v8){0};
+  }
+}
+
+/* width values of row r of B's gathered form from n0: src[seg[n / len] len + n % len] for
+ * the row's list of segments `seg`; a panel spans at most two segments (len >= PANEL) */
+static void copy_gathered(const float *src, const long *seg, long len, long n0, long width,
+                          float *dst) {
+  const long j0 = n0 / len, off = n0 % len, first = len - off < width ? len - off : width;
+  const float *p0 = src + seg[j0] * len + off;
+  __builtin_prefetch(p0 + AHEAD);
+  long l = 0;
+  for (; l < first; ++l) dst[l] = p0[l];
+  if (l < width) {
+    const float *p1 = src + seg[j0 + 1] * len - first;
+    for (; l < width; ++l) dst[l] = p1[l];
+  }
+  for (; l < PANEL; ++l) dst[l] = 0.0f;
+}
+
+/* rows of A in blocks of at most GRB, as even as the count allows (56 rows: 6 blocks of 6
+ * and 4 of 5, not 9 of 6 and one of 2) */
+static void fblocks(const float *a, const float *buf, float *c, long n, long k, long m,
+                    long width) {
+  const long blocks = (m + GRB - 1) / GRB, base = m / blocks, extra = m % blocks;
+  long m0 = 0;
+  for (long q = 0; q < blocks; ++q) {
+    const long g = base + (q < extra);
+    switch (g) {
+    case 6: fblock(a, buf, c, n, k, m0, width, 6); break;
+    case 5: fblock(a, buf, c, n, k, m0, width, 5); break;
+    case 4: fblock(a, buf, c, n, k, m0, width, 4); break;
+    case 3: fblock(a, buf, c, n, k, m0, width, 3); break;
+    case 2: fblock(a, buf, c, n, k, m0, width, 2); break;
+    case 1: fblock(a, buf, c, n, k, m0, width, 1); break;
+    }
+    m0 += g;
+  }
+}
+
+/* a unit of work: UNIT columns of B from n0 (its K rows read once, UNIT / PANEL panels) */
+static void fpanel(const fjob_t *j, long bi, long n0, float *buf) {
+  const long m = j->m, k = j->k, n = j->n;
+  float *c = j->c + bi * j->ldc_batch;
+  for (long p0 = n0; p0 < n0 + UNIT && p0 < n; p0 += PANEL) {
+    const long width = n - p0 < PANEL ? n - p0 : PANEL;
+    float *pb = buf + (p0 - n0) / PANEL * k * PANEL;
+    if (j->idx) {
+      const long segs = n / j->seg;
+      const long *row = j->idx + bi * k * segs;
+      for (long i = 0; i < k; ++i)
+        copy_gathered(j->b, row + i * segs, j->seg, p0, width, pb + i * PANEL);
+    } else {
+      copy_panel(j->b + bi * j->ldb_batch + p0, n, k, width, pb);
+    }
+  }
+  for (long p0 = n0; p0 < n0 + UNIT && p0 < n; p0 += PANEL)
+    fblocks(j->a, buf + (p0 - n0) / PANEL * k * PANEL, c + p0, n, k, m,
+            n - p0 < PANEL ? n - p0 : PANEL);
+}
+
+/* every (batch, panel) pair of the job, handed out in chunks */
+static int fgemm_panels(const fjob_t *job, long threads) {
+  const long panels = (job->n + UNIT - 1) / UNIT, units = job->batch * panels;
+  const long chunk = chunk_size(units, threads), per = job->k * UNIT;
+  float *bufs = aligned_alloc(32, sizeof(float) * threads * per); /* a multiple of 32 bytes */
+  if (!bufs) return 2;
+#pragma omp parallel num_threads(threads)
+  {
+    float *buf = bufs + omp_get_thread_num() * per;
+#pragma omp for schedule(dynamic, chunk)
+    for (long u = 0; u < units; ++u) fpanel(job, u / panels, (u % panels) * UNIT, buf);
+  }
+  free(bufs);
+  return 0;
+}
+
+int small_gemm_f32(const float *a, const float *b, float *c, long batch, long m, long k,
+                   long n, long threads) {
+  if (batch < 1 || m < 1 || k < 1 || k > KMAX || n < 1 || threads < 1) return 1;
+  const fjob_t job = {a, b, c, batch, k * n, m * n, m, k, n, NULL, 0};
+  return fgemm_panels(&job, threads);
+}
+
+/* small_gemm_f32 with B's rows gathered from a table of rows of SEG values:
+ * B[bi][k][n] = src[idx[(bi K + k) J + n / SEG] SEG + n % SEG], J = N / SEG, SEG >= 32 */
+int small_gemm_gather_f32(const float *a, const float *src, const long *idx, float *c,
+                          long batch, long m, long k, long n, long seg, long threads) {
+  if (batch < 1 || m < 1 || k < 1 || k > KMAX || n < 1 || seg < 32 || n % seg || threads < 1)
+    return 1;
+  const fjob_t job = {a, src, c, batch, 0, m * n, m, k, n, idx, seg};
+  return fgemm_panels(&job, threads);
+}
+
+/* width values of v at column c0 of a row whose segments of len values are stored at the
+ * rows seg[] of out (out[seg[c / len] len + c % len] for column c); lanes that cross into
+ * the next segment go to its row */
+static inline void scatter8(float *out, const long *seg, long len, long c0, v8 v, long width) {
+  const long j0 = c0 / len, off = c0 % len, first = len - off < width ? len - off : width;
+  store8(out + seg[j0] * len + off, v, first);
+  for (long l = first; l < width; ++l) out[seg[j0 + 1] * len + l - first] = v[l];
+}
+
+/* The pooled form: out[h/2, w/2, n] = max over h in {2i, 2i+1} and w in {2j, 2j+1} of
+ * (A B[h])[w, n] (through the ReLU if relu), A [W, K], B [H, K, N]: the two image rows'
+ * panels side by side, two rows of A (one pooled column) at a time, 8 sums in registers,
+ * only the pooled values written. With dst (small_gemm_pool_scatter_f32): pooled row
+ * (i, j)'s segments of SEG values go to the rows of out that dst + (i W/2 + j) J lists. */
+static int fpool_rows(const float *a, const float *b, float *out, const long *dst, long seg,
+                      long h, long w, long k, long n, long relu, long threads) {
+  if (h < 2 || h % 2 || w < 2 || w % 2 || k < 1 || k > KMAX || n < 1 || threads < 1) return 1;
+  if (dst && (seg < 32 || n % seg)) return 1;
+  const long segs = dst ? n / seg : 0, panels = (n + PANEL - 1) / PANEL;
+  const long units = (h / 2) * panels, chunk = chunk_size(units, threads);
+  const v8 zero = {0};
+#pragma omp parallel num_threads(threads)
+  {
+    float buf0[KMAX * PANEL] __attribute__((aligned(32)));
+    float buf1[KMAX * PANEL] __attribute__((aligned(32)));
+#pragma omp for schedule(dynamic, chunk)
+    for (long u = 0; u < units; ++u) {
+      const long hh = u / panels, n0 = (u % panels) * PANEL;
+      const long width = n - n0 < PANEL ? n - n0 : PANEL;
+      copy_panel(b + 2 * hh * k * n + n0, n, k, width, buf0);
+      copy_panel(b + (2 * hh + 1) * k * n + n0, n, k, width, buf1);
+      for (long ww = 0; ww < w / 2; ++ww) {
+        const float *a0 = a + 2 * ww * k, *a1 = a0 + k;
+        v8 acc[2][2][2] = {{{0}}};
+        for (long i = 0; i < k; ++i) {
+          const v8 b00 = *(const v8 *)(buf0 + i * PANEL), b01 = *(const v8 *)(buf0 + i * PANEL + HALF);
+          const v8 b10 = *(const v8 *)(buf1 + i * PANEL), b11 = *(const v8 *)(buf1 + i * PANEL + HALF);
+          const float s0 = a0[i], s1 = a1[i];
+          acc[0][0][0] += s0 * b00, acc[0][0][1] += s0 * b01;
+          acc[0][1][0] += s1 * b00, acc[0][1][1] += s1 * b01;
+          acc[1][0][0] += s0 * b10, acc[1][0][1] += s0 * b11;
+          acc[1][1][0] += s1 * b10, acc[1][1][1] += s1 * b11;
+        }
+        for (long t = 0; t < 2 && t * HALF < width; ++t) {
+          const v8 mx = vmax(vmax(acc[0][0][t], acc[0][1][t]), vmax(acc[1][0][t], acc[1][1][t]));
+          const v8 v = relu ? vmax(mx, zero) : mx;
+          const long c0 = n0 + t * HALF, lanes = lanes_left(n, c0);
+          if (dst)
+            scatter8(out, dst + (hh * (w / 2) + ww) * segs, seg, c0, v, lanes);
+          else
+            store8(out + (hh * (w / 2) + ww) * n + c0, v, lanes);
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+int small_gemm_pool_f32(const float *a, const float *b, float *out, long h, long w, long k,
+                        long n, long relu, long threads) {
+  return fpool_rows(a, b, out, NULL, 0, h, w, k, n, relu, threads);
+}
+
+int small_gemm_pool_scatter_f32(const float *a, const float *b, float *out, const long *dst,
+                                long h, long w, long k, long n, long seg, long relu,
+                                long threads) {
+  if (!dst) return 1;
+  return fpool_rows(a, b, out, dst, seg, h, w, k, n, relu, threads);
 }

@@ -353,7 +353,8 @@ def real_dft2_rows(
     xs: Tensor, index: Tensor, shape: tuple[int, int, int, int]
 ) -> tuple[Tensor, Tensor]:
     """``_RealDFT2`` of the rows ``xs[index]`` (viewed ``[H, W*M]``), without a gradient:
-    in bfloat16 on the CPU the first GEMM reads each row where it lies
+    on the CPU, in bfloat16 (the AVX-512 build) or float32 (the AVX2 build), the first GEMM
+    reads each row where it lies
     (``native.small_gemm_gather``: the gathered copy is neither written nor read back),
     elsewhere the gathered copy and ``_RealDFT2``."""
     h, w, nh, nw = shape
@@ -399,8 +400,8 @@ def inverse_real_dft2_pooled(
     index: Tensor | None = None,
 ) -> Tensor:
     """``_InverseRealDFT2``'s maps ``[H, W, M]`` 2x2 max-pooled (and through a ReLU if
-    ``relu``), without a gradient: ``[H/2, W/2, M]``. In bfloat16 on the CPU the last GEMM
-    and the pool are one compiled pass (``native.small_gemm_pool``: the full-resolution
+    ``relu``), without a gradient: ``[H/2, W/2, M]``. On the CPU, in bfloat16 (the AVX-512
+    build) or float32 (the AVX2 build), the last GEMM and the pool are one compiled pass (``native.small_gemm_pool``: the full-resolution
     maps never written), elsewhere the inverse and then ``_pool_quads``. With ``out``
     ``[rows, SEG]`` and ``index``: the pooled maps as rows of SEG values go to
     ``out[index]`` (in the compiled pass as it writes them), and ``out`` is returned."""

@@ -63,6 +63,12 @@ forward DFT's first GEMM reading each block's rows from the feature layout throu
 where the FFT path would otherwise write a gathered copy and read it back
 (``kernels.real_dft2_rows``).
 
+The portable build has the three DFT GEMM kernels in float32 (``small_gemm`` and the others
+take the dtype of their operands): on a 2-core AVX2 CPU the library GEMM (MKL) ran the
+DFTs' shapes at 11-25 G multiply-adds/s, the kernel at 18-35, and float32 eval of the
+shipped RST-CNN took 0.81-0.94x the time at batches 1-22 (BENCHMARKS.md, "Issue 13,
+twenty-fifth session"). The AVX-512 build keeps the library GEMM for float32.
+
 All the kernels split their work between OpenMP threads. Built with ``-fopenmp`` the
 library needs ``libgomp.so.1``, which the loader finds already loaded beside torch (its
 wheel bundles that soname): the threads are torch's own pool, and none of them spins
@@ -75,8 +81,8 @@ The kernels are compiled with the system's C compiler on first use (``-O3 -march
 and the CPU's flags: ``$RSTMODEL_CACHE``, else ``$XDG_CACHE_HOME/rstmodel``, else
 ``~/.cache/rstmodel``. Where the CPU has AVX2 and FMA but no AVX-512 the source is
 ``_joined_rows_portable.c``: the float32 kernels (``joined_rows_product``, ``pooled_mix``
-and its training pair, ``column_stats``, ``pool2x2``) with the same entry points, layouts
-and values, in GCC's generic vectors of 8 floats (a tile of 16 taken as two halves, fewer
+and its training pair, ``column_stats``, ``pool2x2``; the DFTs' GEMMs, above) with the
+same entry points, layouts and values, in GCC's generic vectors of 8 floats (a tile of 16 taken as two halves, fewer
 sums held in registers for AVX2's 16 of them). Where there is no compiler, neither
 instruction set, or ``RSTMODEL_NATIVE=0``, every ``*available`` check is False and the
 library keeps torch's forms (``kernels.joined_complex_product``, ``kernels._GaussProduct``,
@@ -239,6 +245,18 @@ def _library() -> ctypes.CDLL | None:
         lib.pool2x2.restype = ctypes.c_int
         lib.unpool2x2.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5
         lib.unpool2x2.restype = ctypes.c_int
+    if hasattr(lib, "small_gemm_f32"):  # the portable build (AVX2)
+        lib.small_gemm_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5
+        lib.small_gemm_gather_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 6
+        lib.small_gemm_pool_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 6
+        lib.small_gemm_pool_scatter_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 7
+        for name in (
+            "small_gemm",
+            "small_gemm_gather",
+            "small_gemm_pool",
+            "small_gemm_pool_scatter",
+        ):
+            getattr(lib, f"{name}_f32").restype = ctypes.c_int
     if hasattr(lib, "paired_rows_product"):  # built where the CPU has AVX512-BF16
         fn = lib.paired_rows_product
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
@@ -694,48 +712,58 @@ def unpool2x2(grad: Tensor, code: Tensor) -> Tensor:
     return gx
 
 
-SMALL_GEMM_MAX_K = 512  # the kernel's buffer of paired rows (KMAX)
+SMALL_GEMM_MAX_K = 512  # the kernels' buffers of B's rows (KMAX)
+# the DFT GEMM kernels' suffix by dtype: bfloat16 in the AVX-512 build (AVX512-BF16), float32
+# in the portable one (AVX2)
+_GEMM_DTYPES = {torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def _gemm_kernel(name: str, a: Tensor) -> ctypes._CFuncPtr:
+    return getattr(_library(), f"{name}_{_GEMM_DTYPES[a.dtype]}")
 
 
 def small_gemm_available(a: Tensor, b: Tensor) -> bool:
-    """Whether ``small_gemm`` serves ``a @ b``: bfloat16 on the CPU, an even K of at most
-    ``SMALL_GEMM_MAX_K``, no gradient wanted through the product, the kernel built here
-    (AVX512-BF16)."""
-    return (
-        _dft_gemm_ok("small_gemm_bf16", a, b) and b.dim() in (2, 3) and b.shape[-2] == a.shape[-1]
-    )
+    """Whether ``small_gemm`` serves ``a @ b``: on the CPU, bfloat16 (an even K; AVX-512
+    build) or float32 (the portable AVX2 build), K of at most ``SMALL_GEMM_MAX_K``, no
+    gradient wanted through the product, the kernel built here."""
+    return _dft_gemm_ok("small_gemm", a, b) and b.dim() in (2, 3) and b.shape[-2] == a.shape[-1]
 
 
 def _dft_gemm_ok(kernel: str, a: Tensor, b: Tensor) -> bool:
-    """What the DFT GEMM kernels share: built here (AVX512-BF16), on the CPU, bfloat16, a
-    2D ``a`` with an even K of at most ``SMALL_GEMM_MAX_K``, no gradient wanted."""
+    """What the DFT GEMM kernels share: on the CPU, ``a`` and ``b`` of one dtype whose
+    kernel is built here (bfloat16: AVX512-BF16, and an even K; float32: AVX2 without
+    AVX-512), a 2D ``a`` with K of at most ``SMALL_GEMM_MAX_K``, no gradient wanted."""
     lib = _library() if a.device.type == b.device.type == "cpu" else None
+    suffix = _GEMM_DTYPES.get(a.dtype)
     k = a.shape[-1]
     return (
         lib is not None
-        and hasattr(lib, kernel)
-        and a.dtype == b.dtype == torch.bfloat16
+        and suffix is not None
+        and hasattr(lib, f"{kernel}_{suffix}")
+        and b.dtype == a.dtype
         and a.dim() == 2
-        and k % 2 == 0
-        and 2 <= k <= SMALL_GEMM_MAX_K
+        and (k % 2 == 0 or suffix == "f32")
+        and 1 <= k <= SMALL_GEMM_MAX_K
         and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
     )
 
 
 def small_gemm(a: Tensor, b: Tensor) -> Tensor:
-    """``a @ b`` in bfloat16 for a small ``a`` ``[M, K]`` and ``b`` ``[K, N]`` or ``[B, K,
-    N]`` with long rows (the DFTs' GEMMs): each output summed in float32, rounded once."""
+    """``a @ b`` for a small ``a`` ``[M, K]`` and ``b`` ``[K, N]`` or ``[B, K, N]`` with
+    long rows (the DFTs' GEMMs), in ``a``'s dtype: bfloat16 sums each output in float32 and
+    rounds it once; float32 sums in float32 (in another order than a library GEMM)."""
     if not small_gemm_available(a, b):
         raise ValueError(
-            f"bfloat16 [M, K] @ [(B,) K, N] with an even K <= {SMALL_GEMM_MAX_K} only, not "
-            f"{a.dtype} {tuple(a.shape)} @ {b.dtype} {tuple(b.shape)}"
+            f"bfloat16 (even K) or float32, as built here, [M, K] @ [(B,) K, N] with K <= "
+            f"{SMALL_GEMM_MAX_K} only, not {a.dtype} {tuple(a.shape)} @ {b.dtype} "
+            f"{tuple(b.shape)}"
         )
     m, k = a.shape
     batch, n = (1 if b.dim() == 2 else b.shape[0]), b.shape[-1]
     a, b = a.contiguous(), b.contiguous()
     c = b.new_empty(*b.shape[:-2], m, n)
     threads = max(1, torch.get_num_threads())
-    if _library().small_gemm_bf16(
+    if _gemm_kernel("small_gemm", a)(
         a.data_ptr(), b.data_ptr(), c.data_ptr(), batch, m, k, n, threads
     ):
         raise ValueError(f"no product for {tuple(a.shape)} @ {tuple(b.shape)}")
@@ -745,12 +773,12 @@ def small_gemm(a: Tensor, b: Tensor) -> Tensor:
 def small_gemm_gather_available(a: Tensor, src: Tensor) -> bool:
     """Whether ``small_gemm_gather`` serves ``a`` and the table of rows ``src`` ``[rows,
     SEG]``: as ``small_gemm``, with rows of at least 32 values."""
-    return _dft_gemm_ok("small_gemm_gather_bf16", a, src) and src.dim() == 2 and src.shape[1] >= 32
+    return _dft_gemm_ok("small_gemm_gather", a, src) and src.dim() == 2 and src.shape[1] >= 32
 
 
 def small_gemm_gather(a: Tensor, src: Tensor, index: Tensor, batch: int) -> Tensor:
     """``small_gemm(a, src[index].view(batch, K, N))`` without the gathered copy: ``a``
-    ``[M, K]``, ``src`` ``[rows, SEG]`` (bfloat16), ``index`` ``[batch * K * J]`` (int64)
+    ``[M, K]``, ``src`` ``[rows, SEG]`` (its dtype), ``index`` ``[batch * K * J]`` (int64)
     naming the row of ``src`` for each segment of SEG columns of B (N = J SEG): the forward
     DFT's first GEMM reading the FFT path's blocks of maps where they lie
     (``kernels.real_dft2_rows``). Returns ``[batch, M, N]``."""
@@ -758,7 +786,8 @@ def small_gemm_gather(a: Tensor, src: Tensor, index: Tensor, batch: int) -> Tens
     seg = src.shape[1]
     if not small_gemm_gather_available(a, src) or index.numel() % (batch * k):
         raise ValueError(
-            f"bfloat16 [M, K] and rows of >= 32 with an even K <= {SMALL_GEMM_MAX_K} and "
+            f"[M, K] and rows of >= 32 of a kernel's dtype, K <= {SMALL_GEMM_MAX_K} (even in "
+            f"bfloat16) and "
             f"{batch} x K x J indices only, not {a.dtype} {tuple(a.shape)}, {src.dtype} "
             f"{tuple(src.shape)}, {index.numel()} indices"
         )
@@ -769,7 +798,7 @@ def small_gemm_gather(a: Tensor, src: Tensor, index: Tensor, batch: int) -> Tens
         raise ValueError(f"row indices outside the {src.shape[0]} rows")
     c = src.new_empty(batch, m, n)
     threads = max(1, torch.get_num_threads())
-    if _library().small_gemm_gather_bf16(
+    if _gemm_kernel("small_gemm_gather", a)(
         a.data_ptr(), src.data_ptr(), index.data_ptr(), c.data_ptr(), batch, m, k, n, seg, threads
     ):
         raise ValueError(f"no gathered product for {tuple(a.shape)} and rows {tuple(src.shape)}")
@@ -792,31 +821,32 @@ def small_gemm_pool(
     a: Tensor, b: Tensor, relu: bool, out: Tensor | None = None, index: Tensor | None = None
 ) -> Tensor:
     """``a @ b`` (``[H, W, N]``, a small ``a`` ``[W, K]``, ``b`` ``[H, K, N]``) 2x2
-    max-pooled over (H, W), through a ReLU if ``relu``: ``[H/2, W/2, N]`` bfloat16, the
-    full-resolution product never written (the inverse DFT's last GEMM and the pool after
-    it). With ``out`` ``[rows, SEG]`` (bfloat16, SEG >= 32) and ``index`` ``[H/2 * W/2 *
-    J]`` (N = J SEG): each pooled row's segments written to the rows of ``out`` that
-    ``index`` names, ``out[index] = pooled.view(-1, SEG)`` (the scatter after the group
-    convolution, ``GroupRSTConv.forward_pooled``); returns ``out``."""
+    max-pooled over (H, W), through a ReLU if ``relu``: ``[H/2, W/2, N]`` in their dtype
+    (bfloat16 or float32, as ``small_gemm``), the full-resolution product never written (the
+    inverse DFT's last GEMM and the pool after it). With ``out`` ``[rows, SEG]`` (the same
+    dtype, SEG >= 32) and ``index`` ``[H/2 * W/2 * J]`` (N = J SEG): each pooled row's
+    segments written to the rows of ``out`` that ``index`` names, ``out[index] =
+    pooled.view(-1, SEG)`` (the scatter after the group convolution,
+    ``GroupRSTConv.forward_pooled``); returns ``out``."""
     if not small_gemm_pool_available(a, b):
         raise ValueError(
-            f"bfloat16 [W, K] @ [H, K, N] with even H, W and K <= {SMALL_GEMM_MAX_K}, no "
-            f"gradient, only: not {a.dtype} {tuple(a.shape)} @ {b.dtype} {tuple(b.shape)}"
+            f"[W, K] @ [H, K, N] of a kernel's dtype with even H, W and K <= "
+            f"{SMALL_GEMM_MAX_K} (even in bfloat16), no gradient, only: not {a.dtype} "
+            f"{tuple(a.shape)} @ {b.dtype} {tuple(b.shape)}"
         )
     (w, k), (h, _, n) = a.shape, b.shape
     a, b = a.contiguous(), b.contiguous()
     threads = max(1, torch.get_num_threads())
-    lib = _library()
     if out is None:
         out = b.new_empty(h // 2, w // 2, n)
-        done = lib.small_gemm_pool_bf16(
+        done = _gemm_kernel("small_gemm_pool", a)(
             a.data_ptr(), b.data_ptr(), out.data_ptr(), h, w, k, n, int(relu), threads
         )
     else:
         seg = out.shape[-1]
         index = index.to(torch.int64).contiguous()
         if (
-            out.dtype != torch.bfloat16
+            out.dtype != b.dtype
             or out.dim() != 2
             or not out.is_contiguous()
             or seg < 32
@@ -826,11 +856,11 @@ def small_gemm_pool(
             or int(index.max()) >= out.shape[0]
         ):
             raise ValueError(
-                f"a contiguous bfloat16 [rows, SEG >= 32] dividing {n} columns and "
+                f"a contiguous {b.dtype} [rows, SEG >= 32] dividing {n} columns and "
                 f"{(h // 2) * (w // 2)} x J row indices only, not {out.dtype} "
                 f"{tuple(out.shape)} and {index.numel()} indices"
             )
-        done = lib.small_gemm_pool_scatter_bf16(
+        done = _gemm_kernel("small_gemm_pool_scatter", a)(
             a.data_ptr(),
             b.data_ptr(),
             out.data_ptr(),
