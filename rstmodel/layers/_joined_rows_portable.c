@@ -70,19 +70,21 @@ static inline v8 vselect(v8i mask, v8 a) { return (v8)(mask & (v8i)a); }
 /* ------------------------------------------------------------------ the products */
 
 /* One half tile (8 columns from c0) for rows [r0, r0 + g) of Re x and of Im x (g <= GROUP):
- * gt points at the half's first real part in the packed tile g[f, t, k, 0:2, 0:16]; the
- * K x 16 values are read from memory for the first group and from cache for the others. */
-static inline __attribute__((always_inline)) void half_tile(const float *xf, const float *gt,
-                                                            float *re, float *im, long m,
-                                                            long k, long n, long c0, long r0,
+ * xq holds the group's rows interleaved, xq[i][0:g] = Re x[r0:r0+g, i] and xq[i][g:2g] =
+ * Im x[...] (one cache line per k, not 2g); gt points at the half's first real part in the
+ * packed tile g[f, t, k, 0:2, 0:16]; the K x 16 values are read from memory for the first
+ * group and from cache for the others. */
+static inline __attribute__((always_inline)) void half_tile(const float *xq, const float *gt,
+                                                            float *re, float *im, long k,
+                                                            long n, long c0, long r0,
                                                             const long g) {
   v8 a_re[2 * GROUP], a_im[2 * GROUP];
   for (long r = 0; r < 2 * g; ++r) a_re[r] = a_im[r] = (v8){0};
-  for (long i = 0; i < k; ++i, gt += 2 * TILE) {
+  for (long i = 0; i < k; ++i, gt += 2 * TILE, xq += 2 * g) {
     const v8 g_re = *(const v8u *)gt, g_im = *(const v8u *)(gt + TILE);
 #pragma GCC unroll 8
     for (long r = 0; r < 2 * g; ++r) {
-      const float s = xf[((r < g ? 0 : m - g) + r0 + r) * k + i];
+      const float s = xq[r];
       a_re[r] += s * g_re;
       a_im[r] += s * g_im;
     }
@@ -94,24 +96,39 @@ static inline __attribute__((always_inline)) void half_tile(const float *xf, con
   }
 }
 
+/* the groups of rows of one frequency's x [2M, K] interleaved for half_tile: group q (rows
+ * r0..r0+g) at xp + 2 r0 k, as [k][2g] */
+static void interleave_rows(const float *xf, float *xp, long m, long k) {
+  for (long r0 = 0; r0 < m; r0 += GROUP) {
+    const long g = m - r0 < GROUP ? m - r0 : GROUP;
+    float *q = xp + 2 * r0 * k;
+    for (long i = 0; i < k; ++i)
+      for (long r = 0; r < g; ++r) {
+        q[i * 2 * g + r] = xf[(r0 + r) * k + i];
+        q[i * 2 * g + g + r] = xf[(m + r0 + r) * k + i];
+      }
+  }
+}
+
 static void product_rows(const float *x, const float *g, float *y, long f0, long f1, long f_total,
-                         long m, long k, long n) {
+                         long m, long k, long n, float *xp) {
   const long tiles = (n + TILE - 1) / TILE;
   for (long f = f0; f < f1; ++f) {
-    const float *xf = x + f * 2 * m * k;
+    interleave_rows(x + f * 2 * m * k, xp, m, k);
     float *re = y + f * m * n, *im = y + (f_total + f) * m * n;
     for (long t = 0; t < tiles; ++t)
       for (long h = 0; h < 2 && t * TILE + h * HALF < n; ++h) {
         const float *gt = g + (f * tiles + t) * k * 2 * TILE + h * HALF;
         const long c0 = t * TILE + h * HALF;
         long r0 = 0;
-        for (; r0 + GROUP <= m; r0 += GROUP) half_tile(xf, gt, re, im, m, k, n, c0, r0, GROUP);
+        for (; r0 + GROUP <= m; r0 += GROUP)
+          half_tile(xp + 2 * r0 * k, gt, re, im, k, n, c0, r0, GROUP);
         switch (m - r0) {
 #if GROUP > 3
-        case 3: half_tile(xf, gt, re, im, m, k, n, c0, r0, 3); break;
+        case 3: half_tile(xp + 2 * r0 * k, gt, re, im, k, n, c0, r0, 3); break;
 #endif
-        case 2: half_tile(xf, gt, re, im, m, k, n, c0, r0, 2); break;
-        case 1: half_tile(xf, gt, re, im, m, k, n, c0, r0, 1); break;
+        case 2: half_tile(xp + 2 * r0 * k, gt, re, im, k, n, c0, r0, 2); break;
+        case 1: half_tile(xp + 2 * r0 * k, gt, re, im, k, n, c0, r0, 1); break;
         }
       }
   }
@@ -121,10 +138,18 @@ static void product_rows(const float *x, const float *g, float *y, long f0, long
 int joined_rows_product(const float *x, const float *g, float *y, long f, long m, long k,
                         long n, long threads) {
   if (m < 1 || threads < 1) return 1;
-  const long chunk = chunk_size(f, threads);
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-  for (long c = 0; c < (f + chunk - 1) / chunk; ++c)
-    product_rows(x, g, y, c * chunk, c * chunk + chunk < f ? c * chunk + chunk : f, f, m, k, n);
+  const long chunk = chunk_size(f, threads), per = 2 * m * k;
+  float *xps = malloc(sizeof(float) * threads * per);
+  if (!xps) return 2;
+#pragma omp parallel num_threads(threads)
+  {
+    float *xp = xps + omp_get_thread_num() * per;
+#pragma omp for schedule(dynamic, 1)
+    for (long c = 0; c < (f + chunk - 1) / chunk; ++c)
+      product_rows(x, g, y, c * chunk, c * chunk + chunk < f ? c * chunk + chunk : f, f, m, k, n,
+                   xp);
+  }
+  free(xps);
   return 0;
 }
 
@@ -559,7 +584,9 @@ static int fpool_rows(const float *a, const float *b, float *out, const long *ds
       copy_panel(b + (2 * hh + 1) * k * n + n0, n, k, width, buf1);
       for (long ww = 0; ww < w / 2; ++ww) {
         const float *a0 = a + 2 * ww * k, *a1 = a0 + k;
-        v8 acc[2][2][2] = {{{0}}};
+        v8 acc[2][2][2]; /* [image row][row of A][half] */
+        for (int q = 0; q < 2; ++q)
+          for (int r = 0; r < 2; ++r) acc[q][r][0] = acc[q][r][1] = (v8){0};
         for (long i = 0; i < k; ++i) {
           const v8 b00 = *(const v8 *)(buf0 + i * PANEL), b01 = *(const v8 *)(buf0 + i * PANEL + HALF);
           const v8 b10 = *(const v8 *)(buf1 + i * PANEL), b11 = *(const v8 *)(buf1 + i * PANEL + HALF);
