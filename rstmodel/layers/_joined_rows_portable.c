@@ -445,6 +445,13 @@ static inline __attribute__((always_inline)) void fblock(const float *a, const f
       acc[r][1] += s * b1;
     }
   }
+  if (width == PANEL) {
+    for (long r = 0; r < g; ++r) {
+      *(v8u *)(c + (m0 + r) * n) = acc[r][0];
+      *(v8u *)(c + (m0 + r) * n + HALF) = acc[r][1];
+    }
+    return;
+  }
   for (long r = 0; r < g; ++r) {
     store8(c + (m0 + r) * n, acc[r][0], width);
     if (width > HALF) store8(c + (m0 + r) * n + HALF, acc[r][1], width - HALF);
