@@ -4,7 +4,7 @@ rows, measured in one process with the forms taking turns (median of rounds).
 python results/bench/portable-gemms-s25.py [--against REV]
 
 1. ``native.small_gemm`` (float32, the portable build) against torch's GEMM (MKL) at the
-   shipped RST-CNN's DFT shapes;
+   shipped RST-CNN's DFT shapes, and ``small_gemm_pool`` against torch's GEMM and pool;
 2. the shipped model's float32 eval with the DFT kernels on and off (``*_available``
    patched), batches 1, 8 and 22 (a stability sweep's distinct images);
 3. ``joined_rows_product`` of this tree against the portable source at REV (default
@@ -67,6 +67,35 @@ def gemms() -> None:
         ms = turns({"torch": lib_gemm, "kernel": lambda a=a, b=b: native.small_gemm(a, b)}, 7)
         print(
             f"| {a_shape} | {b_shape} | {ms['torch']:.2f} | {ms['kernel']:.2f} | {ms['kernel'] / ms['torch']:.2f} |"
+        )
+
+
+def pooled() -> None:
+    from rstmodel.layers.kernels import _pool_quads
+
+    print("\n## 1b. small_gemm_pool (float32) against torch's bmm and pool, median of 7")
+    print("| A | B | torch ms | kernel ms | kernel / torch |\n|---|---|---|---|---|")
+
+    def torch_form(a, b):
+        h, w = b.shape[0], a.shape[0]
+        v = torch.bmm(a.expand(h, *a.shape), b).view(h // 2, 2, w // 2, 2, b.shape[-1])
+        out = v.new_empty(h // 2, w // 2, v.shape[-1])
+        quads = (v[:, 0, :, 0], v[:, 0, :, 1], v[:, 1, :, 0], v[:, 1, :, 1])
+        _pool_quads(*quads, relu=True, argmax=False, out=out)
+        return out
+
+    for w, k, h, n in [(28, 32, 28, 8640), (28, 36, 28, 8640), (14, 18, 14, 13056)]:
+        a, b = torch.randn(w, k), torch.randn(h, k, n)
+        with torch.no_grad():
+            ms = turns(
+                {
+                    "torch": lambda a=a, b=b: torch_form(a, b),
+                    "kernel": lambda a=a, b=b: native.small_gemm_pool(a, b, True),
+                },
+                7,
+            )
+        print(
+            f"| {(w, k)} | {(h, k, n)} | {ms['torch']:.2f} | {ms['kernel']:.2f} | {ms['kernel'] / ms['torch']:.2f} |"
         )
 
 
@@ -145,6 +174,7 @@ def main() -> None:
     torch.set_num_threads(2)
     print(f"# {native.build_name()}, torch {torch.__version__}, 2 threads")
     gemms()
+    pooled()
     model()
     products(args.against)
 
