@@ -65,9 +65,10 @@ where the FFT path would otherwise write a gathered copy and read it back
 
 The portable build has the three DFT GEMM kernels in float32 (``small_gemm`` and the others
 take the dtype of their operands): on a 2-core AVX2 CPU the library GEMM (MKL) ran the
-DFTs' shapes at 11-25 G multiply-adds/s, the kernel at 18-35, and float32 eval of the
-shipped RST-CNN took 0.81-0.94x the time at batches 1-22 (BENCHMARKS.md, "Issue 13,
-twenty-fifth session"). The AVX-512 build keeps the library GEMM for float32.
+DFTs' shapes at 11-25 G multiply-adds/s, the kernel 0.60-0.89x its time (0.64-0.67x for the
+pooled form against the GEMM and a pool), and float32 eval of the shipped RST-CNN took
+0.77-0.89x the time at batches 1-22 with them (BENCHMARKS.md, "Issue 13, twenty-fifth
+session"). The AVX-512 build keeps the library GEMM for float32.
 
 All the kernels split their work between OpenMP threads. Built with ``-fopenmp`` the
 library needs ``libgomp.so.1``, which the loader finds already loaded beside torch (its
@@ -82,8 +83,8 @@ and the CPU's flags: ``$RSTMODEL_CACHE``, else ``$XDG_CACHE_HOME/rstmodel``, els
 ``~/.cache/rstmodel``. Where the CPU has AVX2 and FMA but no AVX-512 the source is
 ``_joined_rows_portable.c``: the float32 kernels (``joined_rows_product``, ``pooled_mix``
 and its training pair, ``column_stats``, ``pool2x2``; the DFTs' GEMMs, above) with the
-same entry points, layouts and values, in GCC's generic vectors of 8 floats (a tile of 16 taken as two halves, fewer
-sums held in registers for AVX2's 16 of them). Where there is no compiler, neither
+same entry points, layouts and values, in GCC's generic vectors of 8 floats (a tile of 16
+taken as two halves, fewer sums held in registers for AVX2's 16 of them). Where there is no compiler, neither
 instruction set, or ``RSTMODEL_NATIVE=0``, every ``*available`` check is False and the
 library keeps torch's forms (``kernels.joined_complex_product``, ``kernels._GaussProduct``,
 ``kernels._pooled_mix_rows``, the DFTs' GEMMs), the references these kernels are tested
