@@ -110,27 +110,33 @@ static void interleave_rows(const float *xf, float *xp, long m, long k) {
   }
 }
 
+/* Each frequency's rows group by group, each group over every tile: the group's interleaved
+ * rows (6 x K values) stay in L1 while the frequency's spectra (all tiles: ~80 KB at K 69,
+ * N 135) are read again from L2 for each group. Tiles outermost instead (each tile read once
+ * into L1, every group's rows passing through it) took 1.04-1.39x the time at batches 8-22
+ * on an AVX2 EPYC (BENCHMARKS.md, "Issue 13, twenty-fifth session"). */
 static void product_rows(const float *x, const float *g, float *y, long f0, long f1, long f_total,
                          long m, long k, long n, float *xp) {
   const long tiles = (n + TILE - 1) / TILE;
   for (long f = f0; f < f1; ++f) {
     interleave_rows(x + f * 2 * m * k, xp, m, k);
     float *re = y + f * m * n, *im = y + (f_total + f) * m * n;
-    for (long t = 0; t < tiles; ++t)
-      for (long h = 0; h < 2 && t * TILE + h * HALF < n; ++h) {
-        const float *gt = g + (f * tiles + t) * k * 2 * TILE + h * HALF;
-        const long c0 = t * TILE + h * HALF;
-        long r0 = 0;
-        for (; r0 + GROUP <= m; r0 += GROUP)
-          half_tile(xp + 2 * r0 * k, gt, re, im, k, n, c0, r0, GROUP);
-        switch (m - r0) {
+    for (long r0 = 0; r0 < m; r0 += GROUP) {
+      const long gg = m - r0 < GROUP ? m - r0 : GROUP;
+      for (long t = 0; t < tiles; ++t)
+        for (long h = 0; h < 2 && t * TILE + h * HALF < n; ++h) {
+          const float *gt = g + (f * tiles + t) * k * 2 * TILE + h * HALF;
+          const long c0 = t * TILE + h * HALF;
+          switch (gg) {
+          case GROUP: half_tile(xp + 2 * r0 * k, gt, re, im, k, n, c0, r0, GROUP); break;
 #if GROUP > 3
-        case 3: half_tile(xp + 2 * r0 * k, gt, re, im, k, n, c0, r0, 3); break;
+          case 3: half_tile(xp + 2 * r0 * k, gt, re, im, k, n, c0, r0, 3); break;
 #endif
-        case 2: half_tile(xp + 2 * r0 * k, gt, re, im, k, n, c0, r0, 2); break;
-        case 1: half_tile(xp + 2 * r0 * k, gt, re, im, k, n, c0, r0, 1); break;
+          case 2: half_tile(xp + 2 * r0 * k, gt, re, im, k, n, c0, r0, 2); break;
+          case 1: half_tile(xp + 2 * r0 * k, gt, re, im, k, n, c0, r0, 1); break;
+          }
         }
-      }
+    }
   }
 }
 
