@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from alternate_s13 import run as alternate  # noqa: E402
 
 from rstmodel.checkpoint import load_checkpoint  # noqa: E402
 from rstmodel.layers import native  # noqa: E402
@@ -35,16 +36,9 @@ GEMMS = ("small_gemm_available", "small_gemm_gather_available", "small_gemm_pool
 
 
 def turns(forms: dict, rounds: int) -> dict[str, float]:
-    """Median ms of each zero-argument callable, the forms taking turns each round."""
-    times: dict[str, list[float]] = {name: [] for name in forms}
-    for f in forms.values():
-        f()
-    for _ in range(rounds):
-        for name, f in forms.items():
-            t = time.perf_counter()
-            f()
-            times[name].append((time.perf_counter() - t) * 1000)
-    return {name: statistics.median(v) for name, v in times.items()}
+    """Median ms of each zero-argument callable, the forms taking turns each round
+    (``alternate_s13.run``, the bench folder's timing loop)."""
+    return {name: seconds * 1000 for name, seconds in alternate(forms, rounds).items()}
 
 
 def gemms() -> None:
