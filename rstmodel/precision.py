@@ -1,5 +1,6 @@
-"""Inference precision for eager torch: exact float32 (the default), bfloat16 autocast, or
-bfloat16 autocast with the FFT path's per-frequency products in int8.
+"""Inference precision for eager torch: exact float32 (the default), bfloat16 autocast,
+bfloat16 autocast with the FFT path's per-frequency products in int8, or float32 with those
+products on 16-bit integers.
 
     from rstmodel import load_checkpoint
     from rstmodel.precision import inference
@@ -19,6 +20,13 @@ run on 8-bit integers, each frequency's rows quantized as they come and the filt
 once (``rstmodel.layers.native.quad_rows_product``: AVX512-VNNI dot products, exact 32-bit
 sums, scaled back to bfloat16). It needs a CPU with AVX512-BF16 and AVX512-VNNI and the
 compiled kernels; ``int8_supported`` says whether this one has them.
+
+``int16`` is for CPUs without those instructions (AVX2): everything stays float32 except the
+same per-frequency products, which run on 16-bit integers (each frequency's rows and the
+filter spectra scaled to ~12 bits, 2,820-3,944 levels at the shipped model's widths, so
+that exact 32-bit sums cannot overflow: ``rstmodel.layers.native.word_rows_product``,
+AVX2's ``vpmaddwd``, twice a float32 FMA's multiply-adds per instruction). It needs the
+portable (AVX2) build of the kernels; ``int16_supported`` says whether this CPU runs it.
 """
 
 from __future__ import annotations
@@ -29,16 +37,36 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["PRECISIONS", "bf16_supported", "inference", "int8_products", "int8_supported"]
+__all__ = [
+    "PRECISIONS",
+    "bf16_supported",
+    "inference",
+    "int8_products",
+    "int8_supported",
+    "int16_products",
+    "int16_supported",
+    "products",
+]
 
-PRECISIONS = ("fp32", "bf16", "int8")
+PRECISIONS = ("fp32", "bf16", "int8", "int16")
 
-_INT8_PRODUCTS = contextvars.ContextVar("rstmodel_int8_products", default=False)
+_PRODUCTS = contextvars.ContextVar("rstmodel_products", default="")
+
+
+def products() -> str:
+    """The integer form of the per-frequency products in the code running now: "int8"
+    inside ``inference("int8")``, "int16" inside ``inference("int16")``, "" elsewhere."""
+    return _PRODUCTS.get()
 
 
 def int8_products() -> bool:
     """Whether the code running now is inside ``inference("int8")``."""
-    return _INT8_PRODUCTS.get()
+    return _PRODUCTS.get() == "int8"
+
+
+def int16_products() -> bool:
+    """Whether the code running now is inside ``inference("int16")``."""
+    return _PRODUCTS.get() == "int16"
 
 
 def bf16_supported(device: str | torch.device = "cpu") -> bool:
@@ -64,11 +92,20 @@ def int8_supported(device: str | torch.device = "cpu") -> bool:
     return device.type == "cpu" and bf16_supported(device) and native.quad_rows_built()
 
 
+def int16_supported(device: str | torch.device = "cpu") -> bool:
+    """Whether ``device`` runs ``inference("int16")``: a CPU with AVX2 (and no AVX-512,
+    whose build has the int8 products instead) where the compiled kernels build."""
+    from rstmodel.layers import native
+
+    return torch.device(device).type == "cpu" and native.word_rows_built()
+
+
 @contextlib.contextmanager
 def inference(precision: str = "fp32", device: str | torch.device = "cpu") -> Iterator[None]:
     """No-gradient inference at ``precision`` (``PRECISIONS``) on ``device``: ``fp32`` is
     exact; ``bf16`` is autocast, refused with a ValueError where the device lacks it;
-    ``int8`` is ``bf16`` with int8 per-frequency products (the CPU only: ``int8_supported``)."""
+    ``int8`` is ``bf16`` with int8 per-frequency products (the CPU only: ``int8_supported``);
+    ``int16`` is float32 with 16-bit integer per-frequency products (``int16_supported``)."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}")
     device = torch.device(device)
@@ -82,12 +119,19 @@ def inference(precision: str = "fp32", device: str | torch.device = "cpu") -> It
             f"{device.type} here cannot run int8 products (a CPU with AVX512-BF16 and "
             "AVX512-VNNI and a C compiler): use precision 'bf16' or 'fp32'"
         )
-    token = _INT8_PRODUCTS.set(precision == "int8")
+    if precision == "int16" and not int16_supported(device):
+        raise ValueError(
+            f"{device.type} here cannot run int16 products (a CPU with AVX2 but no AVX-512, "
+            "and a C compiler): use precision 'fp32'"
+        )
+    token = _PRODUCTS.set(precision if precision in ("int8", "int16") else "")
     try:
         with (
             torch.inference_mode(),
-            torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision != "fp32"),
+            torch.autocast(
+                device.type, dtype=torch.bfloat16, enabled=precision in ("bf16", "int8")
+            ),
         ):
             yield
     finally:
-        _INT8_PRODUCTS.reset(token)
+        _PRODUCTS.reset(token)

@@ -108,14 +108,18 @@ def test_floor_bench_fft_form_is_the_eager_fft_path():
 
 def test_export_bench_times_each_form_and_checks_it_against_eager(capsys):
     from rstcnn.export import bench as export_bench
-    from rstmodel.precision import bf16_supported, int8_supported
+    from rstmodel.precision import bf16_supported, int8_supported, int16_supported
 
-    forms = ["eager", "eager_bf16", "eager_int8", "baked", "onnx"]
+    forms = ["eager", "eager_bf16", "eager_int8", "eager_int16", "baked", "onnx"]
     argv = ["--models", "cnn", "--forms", *forms, "--batch", "3", "--split", "2", "--repeats", "1"]
     assert export_bench.main(argv) == 0
     out = capsys.readouterr().out
     rows = {r.split(" | ")[1]: r.split(" | ") for r in out.splitlines() if r.startswith("| cnn |")}
-    supported = {"eager_bf16": bf16_supported(), "eager_int8": int8_supported()}
+    supported = {
+        "eager_bf16": bf16_supported(),
+        "eager_int8": int8_supported(),
+        "eager_int16": int16_supported(),
+    }
     run = [f for f in forms if supported.get(f, True)]
     assert sorted(rows) == sorted(run)
     for form in run:

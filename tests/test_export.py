@@ -945,6 +945,47 @@ def test_eager_int8_is_served_with_its_own_check_and_first_when_both_pass(rst_ex
         gate_path(checkpoint, "fp32")
 
 
+@pytest.mark.skipif(
+    not __import__("rstmodel.precision").precision.int16_supported(), reason="no int16 products"
+)
+def test_eager_int16_is_served_with_its_own_check(rst_export, tmp_path):
+    """On an AVX2 CPU (neither int8 nor bfloat16): with its passing check "auto" serves the
+    int16 products, whose logits stay within ~10^-3 of float32's; a failing check serves
+    float32."""
+    import shutil
+
+    from rstcnn.export.onnx_export import file_sha256
+    from rstcnn.serve.classifier import Classifier
+    from rstcnn.serve.eager import gate_path, write_gate
+    from rstcnn.serve.variants import servable
+    from rstmodel.precision import bf16_supported, int8_supported
+
+    checkpoint = tmp_path / "model.pt"
+    shutil.copy(rst_export[3], checkpoint)
+    digest = file_sha256(checkpoint)
+    quant = Classifier.from_checkpoint(checkpoint, "int16")
+    assert servable(quant) == (False, "int16 without an accuracy check (export it with --check N)")
+    record = {"passes": True, "images": 64, "drop_points": 0.0, "limit_points": 0.5}
+    assert write_gate(checkpoint, digest, record, "int16") == gate_path(checkpoint, "int16")
+    assert gate_path(checkpoint, "int16").name == "model.int16-gate.json"
+    auto = Classifier.from_checkpoint(checkpoint)
+    if not (int8_supported() or bf16_supported()):
+        assert auto.metadata["rstcnn.precision"] == "int16" and servable(auto)[0]
+    quant = Classifier.from_checkpoint(checkpoint, "int16")
+    exact = Classifier.from_checkpoint(checkpoint, "fp32")
+    x = np.random.default_rng(0).standard_normal((3, 1, 56, 56)).astype(np.float32)
+    want, got = exact.run_logits(x), quant.run_logits(x)
+    assert np.abs(got - want).max() < 3e-3 * np.abs(want).max() and not np.array_equal(got, want)
+    write_gate(checkpoint, digest, {**record, "passes": False}, "int16")
+    assert Classifier.from_checkpoint(checkpoint).metadata["rstcnn.precision"] in (
+        "fp32",
+        "bf16",
+        "int8",
+    )
+    if not (int8_supported() or bf16_supported()):
+        assert Classifier.from_checkpoint(checkpoint).metadata["rstcnn.precision"] == "fp32"
+
+
 def test_eager_engine_names_a_bad_checkpoint(tmp_path):
     from rstcnn.serve.classifier import Classifier
 

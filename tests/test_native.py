@@ -323,6 +323,124 @@ def test_the_fft_path_takes_the_int8_kernel_only_in_int8_inference(batch):
         assert not native.quad_rows_available(rows, rows)  # bf16 autocast alone
 
 
+words = pytest.mark.skipif(
+    not native.word_rows_built(),
+    reason="the int16 products are the AVX2 build's (checked on every AVX2 CPU below)",
+)
+
+
+@words
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 21])
+@pytest.mark.parametrize(("k", "n"), [(1, 3), (9, 16), (16, 37), (33, 20), (69, 135)])
+def test_int16_product_is_its_reference_exactly(rows, k, n):
+    """Row counts at and around the groups of four, input widths past whole vectors, output
+    widths past whole tiles, a row of zeros and the bias: the kernel's float32 outputs are
+    ``word_rows_reference``'s bit for bit (the integer sums are exact, the scalings the same
+    float32 steps)."""
+    torch.manual_seed(rows * k + n)
+    f = 5
+    x_re, x_im = (torch.randn(2, f, rows, k) * torch.rand(f, rows, 1) * 10).unbind(0)
+    x_re[0, 0], x_im[0, 0] = 0, 0
+    g_re, g_im = torch.randn(2, f, k, n).unbind(0)
+    bias = torch.randn(n)
+    got = native.word_rows_product(x_re, x_im, native.pack_words(g_re, g_im), n, bias, 2, 1.5)
+    want = native.word_rows_reference(x_re, x_im, g_re, g_im, bias, 2, 1.5)
+    assert got.dtype == torch.float32 and got.shape == (2, f, rows, n)
+    assert torch.equal(got, want)
+    assert not got[1, 0, 0].any()  # the zero row's imaginary part (the bias is real)
+
+
+def test_int16_reference_is_close_to_the_complex_product():
+    """The reference itself: rows and spectra on ~12 bits, each scaled by its largest part,
+    give the complex product to about 10^-3 of its largest value at the shipped model's
+    widths (int8: about 10^-2)."""
+    torch.manual_seed(0)
+    f, m, k, n = 7, 6, 69, 40
+    x_re, x_im = torch.randn(2, f, m, k).unbind(0)
+    g_re, g_im = torch.randn(2, f, k, n).unbind(0)
+    got = native.word_rows_reference(x_re, x_im, g_re, g_im).double()
+    want = joined_complex_product(
+        x_re.double(), x_im.double(), torch.cat([g_re.double(), g_im.double()], 2)
+    )
+    err = (got - want).abs().amax((2, 3)) / want.abs().amax((2, 3))
+    assert 1e-6 < err.max() < 2e-3
+
+
+@pytest.mark.parametrize("k", [1, 2, 69, 135, 204, 1000, 100000])
+def test_word_levels_are_the_most_whose_sums_fit_32_bits(k):
+    """2 K L^2 < 2^31 (a sum of 2K products of values in [-L, L]), and L + 1 would not fit
+    (or L is int16's largest)."""
+    levels = native.word_levels(k)
+    assert 2 * k * levels**2 < 2**31
+    assert levels == 32767 or 2 * k * (levels + 1) ** 2 >= 2**31
+    with pytest.raises(ValueError, match="at least one input column"):
+        native.word_levels(0)
+
+
+def test_pack_words_lays_out_each_lane_as_one_columns_pair():
+    """Lane c of tile t, input column i: (Re, Im) of column 16t + c, each the spectrum
+    times L over its column's largest part, rounded; zero past N; the scale the column's
+    largest / L, zero past N."""
+    torch.manual_seed(0)
+    f, k, n = 2, 5, 19
+    g_re, g_im = torch.randn(2, f, k, n).unbind(0)
+    spectra = native.pack_words(g_re, g_im)
+    levels = native.word_levels(k)
+    assert spectra.levels == levels and spectra.g.dtype == torch.int16
+    assert spectra.g.shape == (f, 2, k, 16, 2) and spectra.scale.shape == (f, 32)
+    top = torch.maximum(g_re.abs(), g_im.abs()).amax(1)  # [F, N]
+    for col in (0, 7, 16, 18):
+        t, c = divmod(col, 16)
+        for i in range(k):
+            for part, g in enumerate((g_re, g_im)):
+                value = torch.round(g[1, i, col] * (levels / top[1, col]))
+                assert spectra.g[1, t, i, c, part] == value
+        assert spectra.scale[1, col] == top[1, col] / levels
+    assert spectra.g.abs().max() == levels  # each column's largest part
+    assert not spectra.g[:, 1, :, 3:].any() and not spectra.scale[:, 19:].any()  # past N
+
+
+@words
+def test_int16_product_refuses_what_it_cannot_take():
+    x = torch.randn(5, 4, 6)
+    spectra = native.pack_words(torch.randn(5, 6, 20), torch.randn(5, 6, 20))
+    with pytest.raises(ValueError, match="not words for 5 x 6 x 40"):
+        native.word_rows_product(x, x, spectra, 40)
+    with pytest.raises(ValueError, match="at least one row, not 0"):
+        empty = torch.randn(5, 0, 6)
+        native.word_rows_product(empty, empty, spectra, 20)
+    with pytest.raises(ValueError, match="float32 rows only"):
+        native.word_rows_product(x.double(), x.double(), spectra, 20)
+    with pytest.raises(ValueError, match="could overflow 32-bit sums over K = 6"):
+        native.word_rows_product(x, x, spectra._replace(levels=20000), 20)
+
+
+@words
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_fft_path_takes_the_int16_kernel_only_in_int16_inference(batch):
+    """``inference("int16")`` in eval packs the spectra once into words (``ffti16``) and
+    stays within ~10^-3 of float32, which alone keeps the float32 kernel; outside it the
+    kernel is not offered."""
+    from rstmodel.precision import inference
+
+    torch.manual_seed(1)
+    conv = GroupRSTConv(3, 4, SPEC).eval()
+    with torch.no_grad():
+        conv.bias.normal_()
+    x = torch.randn(batch, 3, 8, 3, 10, 10)
+    with torch.no_grad():
+        exact = conv.forward_fft(x, bias=conv.bias)
+    assert not any(key.startswith("ffti16") for key in conv._cache)
+    with inference("int16"):
+        quant = conv.forward_fft(x, bias=conv.bias)
+        assert native.word_rows_available(x[0, :, 0], x[0, :, 0])
+    assert any(key.startswith("ffti16") for key in conv._cache)
+    assert quant.dtype == torch.float32
+    err = (quant - exact).abs().max() / exact.abs().max()
+    assert 0 < err < 3e-3
+    assert not native.word_rows_available(x[0, :, 0], x[0, :, 0])
+
+
 def test_the_kernel_shares_torchs_openmp_runtime():
     """Loaded beside torch, the kernel's OpenMP threads are torch's own (one libgomp in the
     process): a second runtime's threads would contend with torch's waiting ones."""
@@ -1009,7 +1127,7 @@ def test_the_portable_kernels_give_the_torch_values_wherever_they_build(monkeypa
     """The portable source built on this CPU whichever source it would get (an AVX-512 CPU
     runs AVX2 too, so the build is checked on every machine the suite runs on): the same
     checks as the default build's, over each kernel's group remainders and partial tiles,
-    and no bfloat16 or int8 dot-product kernel in it."""
+    its int16 products, and no bfloat16 or int8 dot-product kernel in it."""
     monkeypatch.setattr(native, "_source", lambda: native.PORTABLE_SOURCE)
     native._library.cache_clear()
     try:
@@ -1038,6 +1156,12 @@ def test_the_portable_kernels_give_the_torch_values_wherever_they_build(monkeypa
             test_small_gemm_pool_is_the_float32_product_pooled(relu, 28, 4, 32, 70)
             test_small_gemm_pool_is_the_float32_product_pooled(relu, 6, 2, 5, 33)
         test_the_fft_path_takes_the_float32_gemms_in_eval(monkeypatch)
+        assert native.word_rows_built()
+        for rows in (1, 3, 4, 5, 9):
+            for k, n in ((1, 3), (33, 20), (69, 135)):
+                test_int16_product_is_its_reference_exactly(rows, k, n)
+        test_int16_product_refuses_what_it_cannot_take()
+        test_the_fft_path_takes_the_int16_kernel_only_in_int16_inference(3)
     finally:
         monkeypatch.undo()
         native._library.cache_clear()

@@ -24,7 +24,14 @@ from rstcnn.train.budgets import SWEEP_MODELS
 from rstmodel import create_model, load_checkpoint
 from rstmodel.data import ArrayDataset, RSConfig, VariantDataset, collate, load_rs
 from rstmodel.layers import ConvMethod
-from rstmodel.precision import bf16_supported, inference, int8_products, int8_supported
+from rstmodel.precision import (
+    bf16_supported,
+    inference,
+    int8_products,
+    int8_supported,
+    int16_products,
+    int16_supported,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "train" / "run.py"
@@ -770,6 +777,37 @@ def test_precision_check_compares_bf16_with_float32(tmp_path, source, env, pipel
     assert "no checkpoint" in capsys.readouterr().err
 
 
+def test_precision_check_records_an_int16_gate_that_the_app_serves(source, pipelines_run, capsys):
+    """``--precision int16`` where the CPU has the AVX2 kernels: the gate beside the
+    checkpoint, and ``Classifier.from_checkpoint`` ("auto") then serves int16 where neither
+    int8 nor bfloat16 runs; elsewhere the check says what the CPU lacks (exit status 2)."""
+    from rstcnn.serve.classifier import Classifier
+    from rstcnn.serve.eager import gate_path
+
+    best = pipelines_run / "best.pt"
+    argv = [str(best), "--limit", "32", "--batch", "16", "--data-root", str(source["root"])]
+    argv += ["--precision", "int16"]
+    if not int16_supported("cpu"):
+        assert precision_check.main(argv) == 2
+        assert "cannot run int16 products" in capsys.readouterr().err
+        return
+    try:
+        # a CNN has no per-frequency products: int16 gives its float32 logits
+        assert precision_check.main([*argv, "--record"]) == 0
+        out = capsys.readouterr().out
+        assert str(gate_path(best, "int16")) in out and "int16" in out
+        gate = json.loads(gate_path(best, "int16").read_text())
+        assert gate["precision"] == "int16" and gate["passes"] and gate["drop_points"] == 0
+        assert gate["images"] == 32 and gate["top1_agreement"] == 1.0
+        served = Classifier.from_checkpoint(best)
+        if not (int8_supported("cpu") or bf16_supported("cpu")):
+            assert served.metadata["rstcnn.precision"] == "int16"
+            assert served.metadata["rstcnn.gate"]["precision"] == "int16"
+        assert Classifier.from_checkpoint(best, "fp32").metadata["rstcnn.precision"] == "fp32"
+    finally:
+        gate_path(best, "int16").unlink(missing_ok=True)
+
+
 def test_inference_precision_context():
     model = create_model("cnn", channels=(4, 6, 8)).eval()
     x = torch.randn(4, 1, 56, 56)
@@ -797,6 +835,20 @@ def test_inference_precision_context():
     with (
         pytest.raises(ValueError, match="cannot run int8 products"),
         inference("int8", "meta"),
+    ):
+        pass
+    assert not int16_products()
+    if int16_supported("cpu"):
+        with inference("int16"):  # float32 throughout, only the products on integers
+            assert int16_products() and not int8_products()
+            assert not torch.is_autocast_enabled("cpu") and torch.is_inference_mode_enabled()
+            assert torch.allclose(model(x), exact, rtol=1e-5, atol=1e-5)  # no FFT path here
+            with inference("fp32"):
+                assert not int16_products()
+        assert not int16_products()
+    with (
+        pytest.raises(ValueError, match="cannot run int16 products"),
+        inference("int16", "meta"),
     ):
         pass
 

@@ -8,6 +8,8 @@ norm statistics, so no checkpoint is needed) and each form
              CPU runs bfloat16 natively)
     eager_int8  the same with the FFT path's per-frequency products in int8
              (``inference("int8")``; only where the CPU has AVX512-BF16 and AVX512-VNNI)
+    eager_int16  float32 with those products on 16-bit integers (``inference("int16")``;
+             only where the CPU has AVX2 and the kernels are the AVX2 build)
     baked    ``export.bake``: plain torch, static convolutions, batch norms folded
     onnx     the exported ONNX file on onnxruntime's CPU provider
 
@@ -38,9 +40,9 @@ import rstmodel
 from rstcnn.export.bake import bake
 from rstcnn.export.onnx_export import export_model
 from rstcnn.train.runtime import use_retaining_allocator
-from rstmodel.precision import bf16_supported, inference, int8_supported
+from rstmodel.precision import bf16_supported, inference, int8_supported, int16_supported
 
-FORMS = ("eager", "eager_bf16", "eager_int8", "baked", "onnx")
+FORMS = ("eager", "eager_bf16", "eager_int8", "eager_int16", "baked", "onnx")
 DEFAULT_FORMS = ("eager", "baked", "onnx")
 
 
@@ -92,9 +94,18 @@ def runners(model: nn.Module, shape: tuple[int, int, int], threads: int, folder:
         "eager": torch_form(model),
         "eager_bf16": torch_form(model, "bf16"),
         "eager_int8": torch_form(model, "int8"),
+        "eager_int16": torch_form(model, "int16"),
         "baked": torch_form(baked),
         "onnx": lambda x: session.run(None, {"images": x})[0],
     }
+
+
+# the reduced-precision eager forms: whether this CPU runs each, and what it lacks if not
+_NEEDS = {
+    "eager_bf16": (bf16_supported, "has no native bfloat16"),
+    "eager_int8": (int8_supported, "cannot run int8 products"),
+    "eager_int16": (int16_supported, "cannot run int16 products"),
+}
 
 
 def measure(name: str, args: argparse.Namespace, folder: Path) -> dict[str, dict[str, float]]:
@@ -110,11 +121,8 @@ def measure(name: str, args: argparse.Namespace, folder: Path) -> dict[str, dict
     reference = forms["eager"](x1)
     out: dict[str, dict[str, float]] = {}
     for form in args.forms:
-        if form == "eager_bf16" and not bf16_supported():
-            logging.warning("%s: this CPU has no native bfloat16, eager_bf16 not run", name)
-            continue
-        if form == "eager_int8" and not int8_supported():
-            logging.warning("%s: this CPU cannot run int8 products, eager_int8 not run", name)
+        if form in _NEEDS and not _NEEDS[form][0]():
+            logging.warning("%s: this CPU %s, %s not run", name, _NEEDS[form][1], form)
             continue
         run = forms[form]
         diff = float(np.abs(run(x1) - reference).max())

@@ -722,8 +722,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--model",
         action="append",
         help=f"ONNX model to serve (repeatable; default: {' '.join(DEFAULT_MODELS)}), or a "
-        "checkpoint (.pt) to serve by eager torch (int8 products or bfloat16 where it has a "
-        "passing train/precision_check.py [--precision int8] --record); of several files of "
+        "checkpoint (.pt) to serve by eager torch (int8 products, bfloat16 or int16 products "
+        "where it has a passing train/precision_check.py --precision P --record); of several "
+        "files of "
         "one checkpoint the fastest servable one is served",
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")

@@ -264,9 +264,10 @@ class Classifier:
         max_batch: int = EAGER_MAX_BATCH,
     ) -> Classifier:
         """Serve a checkpoint (``.pt``) by eager torch (``serve.eager``; needs torch):
-        ``precision`` "fp32" (exact), "bf16" (autocast) or "int8" (autocast with int8
-        per-frequency products), each servable only with its recorded accuracy check, or
-        "auto" (int8, else bf16, where the CPU has it and its check passed).
+        ``precision`` "fp32" (exact), "bf16" (autocast), "int8" (autocast with int8
+        per-frequency products) or "int16" (float32 with 16-bit integer per-frequency
+        products, AVX2 CPUs), each servable only with its recorded accuracy check, or "auto"
+        (int8, else bf16, else int16, where the CPU has it and its check passed).
         ``threads``: torch's intra-op threads. ``max_batch``: images per forward pass
         (the eager peak grows with it), a larger call in chunks; concurrent calls are
         joined into passes of up to as many images (``serve.coalesce``)."""

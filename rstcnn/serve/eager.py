@@ -7,14 +7,15 @@ does in onnxruntime (BENCHMARKS.md, "Issue 13, fifth pass"), at the price of tor
 server and more memory. It is opt-in, and the same rules hold as for the exported files:
 
 - ``precision="fp32"`` runs the checkpoint exactly;
-- ``precision="bf16"`` (bfloat16 autocast) and ``precision="int8"`` (the same with the FFT
-  path's per-frequency products in int8: ``rstmodel.precision``) may be served only with a
-  passing accuracy check of this very checkpoint file at that precision, written beside it
-  by ``python train/precision_check.py CKPT --precision P --record`` (``CKPT`` with the
-  suffix ``.P-gate.json``); without one ``serve.variants`` leaves it out, as it does an
-  unchecked int8 file;
-- ``precision="auto"`` (the app's choice) is the first of ``int8`` and ``bf16`` that the CPU
-  runs and whose check passed, ``fp32`` otherwise.
+- ``precision="bf16"`` (bfloat16 autocast), ``precision="int8"`` (the same with the FFT
+  path's per-frequency products in int8) and ``precision="int16"`` (float32 with those
+  products on 16-bit integers, for CPUs with AVX2 but no AVX-512: ``rstmodel.precision``)
+  may be served only with a passing accuracy check of this very checkpoint file at that
+  precision, written beside it by ``python train/precision_check.py CKPT --precision P
+  --record`` (``CKPT`` with the suffix ``.P-gate.json``); without one ``serve.variants``
+  leaves it out, as it does an unchecked int8 file;
+- ``precision="auto"`` (the app's choice) is the first of ``int8``, ``bf16`` and ``int16``
+  that the CPU runs and whose check passed, ``fp32`` otherwise.
 
 The metadata is the exported files' (``export.onnx_export.onnx_metadata``) plus the
 precision, the gate and whether quarter turns keep the logits (measured at load, in
@@ -38,8 +39,8 @@ __all__ = ["PRECISIONS", "gate_path", "load", "read_gate", "write_gate"]
 
 log = logging.getLogger("serve.eager")
 
-PRECISIONS = ("auto", "fp32", "bf16", "int8")
-REDUCED = ("int8", "bf16")  # what "auto" tries, fastest first
+PRECISIONS = ("auto", "fp32", "bf16", "int8", "int16")
+REDUCED = ("int8", "bf16", "int16")  # what "auto" tries, fastest first
 LINGER = float(os.environ.get("RSTCNN_LINGER", "0.02"))  # s; serve.coalesce
 
 
@@ -102,7 +103,7 @@ def load(
         onnx_metadata,
     )
     from rstmodel.checkpoint import CheckpointError, load_checkpoint
-    from rstmodel.precision import bf16_supported, inference, int8_supported
+    from rstmodel.precision import bf16_supported, inference, int8_supported, int16_supported
 
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -117,11 +118,12 @@ def load(
         raise ValueError(f"{checkpoint}: {err}") from None
     model = model.float().eval()
     digest = file_sha256(checkpoint)
-    runs = {"int8": int8_supported, "bf16": bf16_supported}
+    runs = {"int8": int8_supported, "bf16": bf16_supported, "int16": int16_supported}
     if precision in runs and not runs[precision]():
         raise ValueError(
             f"this CPU does not run {precision} natively (bf16: AVX512-BF16 or AMX; int8: "
-            "AVX512-BF16 and AVX512-VNNI): use precision 'auto' or 'fp32'"
+            "AVX512-BF16 and AVX512-VNNI; int16: AVX2 without AVX-512): use precision 'auto' "
+            "or 'fp32'"
         )
     gates = {p: read_gate(checkpoint, digest, p) for p in REDUCED if runs[p]()}
     if precision == "auto":

@@ -1,23 +1,25 @@
-"""Eager inference in bfloat16 (or int8) against exact float32, on a checkpoint's own test
-images.
+"""Eager inference in bfloat16 (or int8, or int16) against exact float32, on a checkpoint's
+own test images.
 
     python train/precision_check.py models/rst_cnn_fb.pt --limit 1024
     python train/precision_check.py runs/x/best.pt --device cuda
     python train/precision_check.py models/rst_cnn_fb.pt --record   (for the app, see below)
     python train/precision_check.py models/rst_cnn_fb.pt --precision int8 --record
+    python train/precision_check.py models/rst_cnn_fb.pt --precision int16 --record  (AVX2)
 
 Runs the checkpoint on the first ``--limit`` images of its RS test split (its realisation,
 N_tr and validation size: none seen in training) in float32 and at ``--precision``
 (``rstmodel.precision.inference``: ``bf16`` autocast, or ``int8``, the same with the FFT
-path's per-frequency products in int8, on a CPU with AVX512-VNNI), and prints accuracy of
+path's per-frequency products in int8, on a CPU with AVX512-VNNI, or ``int16``, float32
+with those products on 16-bit integers, on a CPU with AVX2), and prints accuracy of
 each, how often the two agree on the top class, the largest logit change relative to the
 largest float32 logit, the time of each pass (same process, same batches) and whether the
 reduced precision passes the gate: accuracy within ``--tolerance`` points of float32 (0.5,
 as the exported int8 / fp16 files' gate). Exit status 0 when it passes, 1 when it does not,
 2 when it cannot run.
 
-``--record`` writes the result beside the checkpoint (``NAME.bf16-gate.json`` or
-``NAME.int8-gate.json``, tied to the checkpoint file's SHA-256): the accuracy check that
+``--record`` writes the result beside the checkpoint (``NAME.bf16-gate.json``,
+``NAME.int8-gate.json`` or ``NAME.int16-gate.json``, tied to the checkpoint file's SHA-256): the accuracy check that
 lets ``serve/app.py --model NAME.pt`` serve the checkpoint at that precision
 (``serve.eager``).
 """
@@ -43,7 +45,20 @@ from rstcnn.train.runtime import use_retaining_allocator
 from rstmodel import load_checkpoint
 from rstmodel.checkpoint import CheckpointError
 from rstmodel.data import SourceNotFoundError
-from rstmodel.precision import bf16_supported, inference, int8_supported
+from rstmodel.precision import bf16_supported, inference, int8_supported, int16_supported
+
+# each precision: whether a device runs it, and what it lacks where it does not
+_SUPPORT = {
+    "bf16": (bf16_supported, "has no native bfloat16 (AVX512-BF16 or AMX on a CPU)"),
+    "int8": (
+        int8_supported,
+        "cannot run int8 products (a CPU with AVX512-BF16 and AVX512-VNNI, a C compiler)",
+    ),
+    "int16": (
+        int16_supported,
+        "cannot run int16 products (a CPU with AVX2 but no AVX-512, a C compiler)",
+    ),
+}
 
 
 def logits_of(
@@ -112,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
     parser.add_argument(
         "--precision",
-        choices=("bf16", "int8"),
+        choices=tuple(_SUPPORT),
         default="bf16",
-        help="what to check against float32 (int8: bf16 with int8 per-frequency products)",
+        help="what to check against float32 (int8: bf16 with int8 per-frequency products; "
+        "int16: float32 with 16-bit integer per-frequency products)",
     )
     parser.add_argument(
         "--record",
@@ -124,17 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.limit < 1 or args.batch < 1:
         parser.error("--limit and --batch must be positive")
-    if not bf16_supported(args.device):
-        print(
-            f"error: {args.device} here has no native bfloat16; nothing to check", file=sys.stderr
-        )
-        return 2
-    if args.precision == "int8" and not int8_supported(args.device):
-        print(
-            f"error: {args.device} here cannot run int8 products (a CPU with AVX512-BF16 and "
-            "AVX512-VNNI, a C compiler); nothing to check",
-            file=sys.stderr,
-        )
+    supported, needs = _SUPPORT[args.precision]
+    if not supported(args.device):
+        print(f"error: {args.device} here {needs}; nothing to check", file=sys.stderr)
         return 2
     try:
         r = check(

@@ -6,7 +6,8 @@
  * tensors for both builds. With 16 vector registers instead of 32, fewer sums are held in
  * registers at a time (GROUP rows of the products, HGROUP halves of the pooled mixing).
  *
- * Built here: joined_rows_product, pooled_mix_f32, pooled_mix_grad_f32, column_stats,
+ * Built here: joined_rows_product, its 16-bit integer form word_rows_product (AVX2's
+ * vpmaddwd; the AVX-512 build has int8 products instead), pooled_mix_f32, pooled_mix_grad_f32, column_stats,
  * pool2x2, unpool2x2 (the last three also take bfloat16, widened exactly by a shift), and
  * the DFTs' GEMMs in float32 (small_gemm_f32, its gathered and pooled forms: the AVX-512
  * build's bfloat16 ones have no float32 twin there, where the library GEMM serves). The
@@ -15,6 +16,8 @@
  *
  * Every kernel hands its work to OpenMP threads in chunks, as the AVX-512 build does
  * (CHUNKS per thread, the dynamic schedule). */
+#include <immintrin.h>
+
 #include "_kernels_common.h"
 
 #if !defined(__AVX2__) || !defined(__FMA__)
@@ -33,6 +36,7 @@
 typedef float v8 __attribute__((vector_size(4 * HALF)));
 typedef float v8u __attribute__((vector_size(4 * HALF), aligned(4)));
 typedef int v8i __attribute__((vector_size(4 * HALF)));
+typedef int v8iu __attribute__((vector_size(4 * HALF), aligned(2)));
 typedef unsigned int v8w __attribute__((vector_size(4 * HALF)));
 typedef unsigned short v8h __attribute__((vector_size(2 * HALF)));
 typedef unsigned short v8hu __attribute__((vector_size(2 * HALF), aligned(2)));
@@ -156,6 +160,154 @@ int joined_rows_product(const float *x, const float *g, float *y, long f, long m
                    xp);
   }
   free(xps);
+  return 0;
+}
+
+/* ------------------------------------------- the products on 16-bit integers */
+
+/* joined_rows_product with x and the spectra quantized to 16-bit integers and the complex
+ * products summed exactly in 32 bits: each 32-bit lane of the spectra holds one column's
+ * pair (Re G, Im G), and one multiply-add of word pairs (vpmaddwd: two 16-bit products
+ * summed into 32 bits) gives a complex product's real part for 8 columns from the broadcast
+ * pair (Re x, -Im x), or its imaginary part from (Im x, Re x): 16 multiply-adds per
+ * instruction where a float32 FMA does 8, four bytes per spectrum value pair read, not 8.
+ * Each frequency's row r is scaled by levels / max(|Re x[r]|, |Im x[r]|) and rounded (ties
+ * to even), the spectra likewise per column once (native.pack_words); with
+ * 2 K levels^2 < 2^31 no sum can overflow. The sums are scaled back by
+ * (top_x / levels) (top_g / levels), rounded once to float32. */
+#ifndef IGROUP
+#define IGROUP 4 /* rows summed in registers at a time (8 sums): 0.91-1.0x the time of 6 (12
+                  * sums, the most that fit beside the spectra's vector, a broadcast and a
+                  * product) at the shipped model's shapes */
+#endif
+#if IGROUP < 1 || IGROUP > 4
+#error "IGROUP: 1 to 4 (word_rows' switch)"
+#endif
+
+/* one frequency's rows [M, K] (real and imaginary parts) as word pairs in group order, group
+ * q (rows r0..r0+g) at q + 2 r0 k as [k][2g]: (Re, -Im) of each row, then (Im, Re), so that
+ * a group's 2g broadcasts per k come from one cache line (rows apart: 12 lines, 1.02-1.23x
+ * the kernel's time at the shipped model's shapes); sx[r] the row's scale */
+static void quantize_rows(const float *xr, const float *xi, int *q, float *sx, long m, long k,
+                          float levels) {
+  const v8i no_sign = {0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff,
+                       0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff};
+  for (long r = 0; r < m; ++r) {
+    const float *a = xr + r * k, *b = xi + r * k;
+    v8 top8 = {0};
+    for (long i = 0; i < k; i += HALF) {
+      const long width = lanes_left(k, i);
+      top8 = vmax(top8, (v8)((v8i)load8(a + i, width) & no_sign));
+      top8 = vmax(top8, (v8)((v8i)load8(b + i, width) & no_sign));
+    }
+    float top = 0.0f;
+    for (long l = 0; l < HALF; ++l) top = top8[l] > top ? top8[l] : top;
+    const float inv = top > 0.0f ? levels / top : 0.0f;
+    sx[r] = top / levels;
+    const long r0 = r / IGROUP * IGROUP, g = m - r0 < IGROUP ? m - r0 : IGROUP, rr = r - r0;
+    int *qg = q + 2 * r0 * k;
+    const v8 vinv = {inv, inv, inv, inv, inv, inv, inv, inv};
+    for (long i = 0; i < k; i += HALF) {
+      const long width = lanes_left(k, i);
+      const v8i qa = (v8i)_mm256_cvtps_epi32((__m256)(load8(a + i, width) * vinv));
+      const v8i qb = (v8i)_mm256_cvtps_epi32((__m256)(load8(b + i, width) * vinv));
+      const v8i p_re = (qa & 0xffff) | (v8i)((v8w)(-qb) << 16);
+      const v8i p_im = (qb & 0xffff) | (v8i)((v8w)qa << 16);
+      for (long l = 0; l < width; ++l) {
+        qg[(i + l) * 2 * g + rr] = p_re[l];
+        qg[(i + l) * 2 * g + g + rr] = p_im[l];
+      }
+    }
+  }
+}
+
+/* acc + the word pairs' products of the pair at p (broadcast) and w. The empty assembly
+ * statement keeps each broadcast beside its product: without it GCC hoists all 2g
+ * broadcasts of a k above the products and spills the sums to the stack (AVX2 has 16
+ * registers) */
+static inline __attribute__((always_inline)) v8i word_madd(v8i acc, const int *p, v8i w) {
+  __m256i b = _mm256_set1_epi32(*p);
+  __asm__("" : "+x"(b)); /* here, not hoisted */
+  return acc + (v8i)_mm256_madd_epi16(b, (__m256i)w);
+}
+
+/* one half tile (8 columns from c0) for rows [r0, r0 + g) of one frequency: xq the group's
+ * word pairs ([k][2g], quantize_rows), gt the half's first pair in the packed tile
+ * g[f, t, k, 0:16, 0:2] */
+static inline __attribute__((always_inline)) void word_half_tile(
+    const int *xq, const short *gt, const float *sx, const float *sg, float *re, float *im,
+    long k, long n, long c0, long r0, const long g) {
+  v8i a_re[IGROUP], a_im[IGROUP];
+  for (long r = 0; r < g; ++r) a_re[r] = a_im[r] = (v8i){0};
+  for (long i = 0; i < k; ++i, gt += 2 * TILE, xq += 2 * g) {
+    const v8i w = *(const v8iu *)gt;
+#pragma GCC unroll 8
+    for (long r = 0; r < g; ++r) {
+      a_re[r] = word_madd(a_re[r], xq + r, w);
+      a_im[r] = word_madd(a_im[r], xq + g + r, w);
+    }
+  }
+  const long width = lanes_left(n, c0);
+  const v8 s_g = *(const v8u *)(sg + c0);
+  for (long r = 0; r < g; ++r) {
+    const float s_x = sx[r0 + r];
+    const v8 s = s_x * s_g; /* one rounding, then one for the product */
+    store8(re + (r0 + r) * n + c0, __builtin_convertvector(a_re[r], v8) * s, width);
+    store8(im + (r0 + r) * n + c0, __builtin_convertvector(a_im[r], v8) * s, width);
+  }
+}
+
+static void word_rows(const float *x_re, const float *x_im, const short *g, const float *gs,
+                      float *y, long f0, long f1, long f_total, long m, long k, long n,
+                      float levels, int *xq, float *sx) {
+  const long tiles = (n + TILE - 1) / TILE;
+  for (long f = f0; f < f1; ++f) {
+    quantize_rows(x_re + f * m * k, x_im + f * m * k, xq, sx, m, k, levels);
+    float *re = y + f * m * n, *im = y + (f_total + f) * m * n;
+    const float *sg = gs + f * tiles * TILE;
+    for (long r0 = 0; r0 < m; r0 += IGROUP) {
+      const long gg = m - r0 < IGROUP ? m - r0 : IGROUP;
+      const int *q = xq + 2 * r0 * k;
+      for (long t = 0; t < tiles; ++t)
+        for (long h = 0; h < 2 && t * TILE + h * HALF < n; ++h) {
+          const short *gt = g + (f * tiles + t) * k * 2 * TILE + 2 * h * HALF;
+          const long c0 = t * TILE + h * HALF;
+          switch (gg) { /* a constant group size for each inlined copy */
+          case IGROUP: word_half_tile(q, gt, sx, sg, re, im, k, n, c0, r0, IGROUP); break;
+#if IGROUP > 3
+          case 3: word_half_tile(q, gt, sx, sg, re, im, k, n, c0, r0, 3); break;
+#endif
+#if IGROUP > 2
+          case 2: word_half_tile(q, gt, sx, sg, re, im, k, n, c0, r0, 2); break;
+#endif
+#if IGROUP > 1
+          case 1: word_half_tile(q, gt, sx, sg, re, im, k, n, c0, r0, 1); break;
+#endif
+          }
+        }
+    }
+  }
+}
+
+/* x_re, x_im [F, M, K] float32; g int16 [F, T, K, 16, 2] (pairs, zero past column N); gs
+ * [F, T * 16] the columns' scales; y [2, F, M, N] float32. Returns 1 for no rows, 2 out of
+ * memory, 3 for levels whose sums could overflow. */
+int word_rows_product(const float *x_re, const float *x_im, const short *g, const float *gs,
+                      float *y, long f, long m, long k, long n, long levels, long threads) {
+  if (m < 1 || k < 1 || threads < 1) return 1;
+  if (levels < 1 || levels > 32767 || 2.0 * k * levels * levels > 2147483647.0) return 3;
+  const long chunk = chunk_size(f, threads), per = 2 * m * k + m;
+  int *bufs = malloc(sizeof(int) * threads * per);
+  if (!bufs) return 2;
+#pragma omp parallel num_threads(threads)
+  {
+    int *xq = bufs + omp_get_thread_num() * per;
+#pragma omp for schedule(dynamic, 1)
+    for (long c = 0; c < (f + chunk - 1) / chunk; ++c)
+      word_rows(x_re, x_im, g, gs, y, c * chunk, c * chunk + chunk < f ? c * chunk + chunk : f,
+                f, m, k, n, (float)levels, xq, (float *)(xq + 2 * m * k));
+  }
+  free(bufs);
   return 0;
 }
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..basis import BasisSpec, sample_basis, steering
-from ..precision import int8_products
+from ..precision import products
 from . import native
 from .common import (
     ConvMethod,
@@ -111,7 +111,7 @@ class _BasisConv(nn.Module):
         """TUNED in eval mode: the path that ran ``x`` fastest (each timed once after a
         warm-up call that fills its caches), remembered per input shape, dtype, device and
         autocast state (bfloat16 autocast can make another path the fastest)."""
-        key = (tuple(x.shape), x.dtype, x.device, _autocast_dtype(x.device), int8_products())
+        key = (tuple(x.shape), x.dtype, x.device, _autocast_dtype(x.device), products())
         choice = self._tuned.get(key)
         if choice is None:
             with torch.no_grad():
@@ -731,6 +731,12 @@ class GroupRSTConv(_BasisConv):
                 "fftc" + name, lambda: self.spectra(nh, nw, filt_rot, scales, gauss=False)
             )
             y = complex_mix(x_re, x_im, *g, *dc)  # [Re; Im], [2, NFRS, B', Cout]
+        elif native.word_rows_available(x_re, x_im):  # compiled, CPU int16 eval
+            g = self._cached(
+                "ffti16" + name,
+                lambda: native.pack_words(*self._float_spectra(nh, nw, filt_rot, scales)),
+            )
+            y = native.word_rows_product(x_re, x_im, g, self.out_channels, *dc)
         elif native.available(x_re, x_im):  # compiled, CPU float32 eval
             g = self._cached(
                 "fftp" + name,

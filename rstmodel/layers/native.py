@@ -97,6 +97,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -124,6 +125,13 @@ __all__ = [
     "quad_rows_built",
     "quad_rows_product",
     "quad_rows_reference",
+    "WordSpectra",
+    "word_levels",
+    "pack_words",
+    "word_rows_available",
+    "word_rows_built",
+    "word_rows_product",
+    "word_rows_reference",
     "pooled_mix_available",
     "pooled_mix",
     "pooled_mix_train_available",
@@ -258,6 +266,9 @@ def _library() -> ctypes.CDLL | None:
             "small_gemm_pool_scatter",
         ):
             getattr(lib, f"{name}_f32").restype = ctypes.c_int
+    if hasattr(lib, "word_rows_product"):  # the portable build (AVX2)
+        lib.word_rows_product.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 6
+        lib.word_rows_product.restype = ctypes.c_int
     if hasattr(lib, "paired_rows_product"):  # built where the CPU has AVX512-BF16
         fn = lib.paired_rows_product
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
@@ -406,13 +417,15 @@ class QuadSpectra(NamedTuple):
     scale: Tensor  # float32 [F, T*TILE]: each column's scale (zero past N)
 
 
-def _quantize(values: Tensor, top: Tensor) -> tuple[Tensor, Tensor]:
-    """``values`` times 127 / ``top`` (broadcast), rounded to the nearest integer (ties to
-    even), and the scale ``top / 127``: what the kernel does, in the same float32 steps."""
-    top = top.float()  # (a scalar over a tensor is a reciprocal times it: two roundings)
-    inv = torch.full_like(top, 127.0) / top.clamp_min(torch.finfo(torch.float32).tiny)
+def _quantize(values: Tensor, top: Tensor, levels: int = 127) -> tuple[Tensor, Tensor]:
+    """``values`` times ``levels`` / ``top`` (broadcast), rounded to the nearest integer
+    (ties to even), and the scale ``top / levels``: what the kernels do, in the same float32
+    steps (a scalar over a tensor is a reciprocal times it, two roundings: tensors here)."""
+    top = top.float()
+    steps = torch.full_like(top, float(levels))
+    inv = steps / top.clamp_min(torch.finfo(torch.float32).tiny)
     inv = torch.where(top > 0, inv, 0.0)
-    return torch.round(values.float() * inv), top / 127.0
+    return torch.round(values.float() * inv), top / steps
 
 
 def pack_quads(g_re: Tensor, g_im: Tensor) -> QuadSpectra:
@@ -491,6 +504,117 @@ def quad_rows_reference(
     y_re = ((q_re @ w_re - q_im @ w_im).float() * s).to(torch.bfloat16)
     y_im = ((q_im @ w_re + q_re @ w_im).float() * s).to(torch.bfloat16)
     y = torch.stack([y_re, y_im])
+    if bias is not None:
+        y[0, :dc_rows] += bias.to(y.dtype) * dc_scale
+    return y
+
+
+class WordSpectra(NamedTuple):
+    """Filter spectra as ``word_rows_product`` reads them (``pack_words``)."""
+
+    g: Tensor  # int16 [F, T, K, TILE, 2]: per column (Re G, Im G), zero past N
+    scale: Tensor  # float32 [F, T*TILE]: each column's scale (zero past N)
+    levels: int  # the integer range both sides were scaled to: word_levels(K)
+
+
+def word_levels(k: int) -> int:
+    """The largest integer range ``L`` (values in ``[-L, L]``) for 16-bit rows and spectra
+    whose complex products over ``k`` input columns sum without overflow in 32 bits: each
+    sum is at most ``2 k L^2 < 2^31``. 3,944 (~12 bits) at K = 69, 2,820 at K = 135."""
+    if k < 1:
+        raise ValueError(f"at least one input column, not {k}")
+    return min(32767, math.isqrt((2**31 - 1) // (2 * k)))
+
+
+def pack_words(g_re: Tensor, g_im: Tensor) -> WordSpectra:
+    """Filter spectra ``[F, K, N]`` (float32) quantized to ``word_levels(K)`` per frequency
+    and column (over the K input columns, real and imaginary parts together) and packed as
+    ``word_rows_product`` reads them."""
+    f, k, n = g_re.shape
+    tiles, levels = -(-n // TILE), word_levels(k)
+    top = torch.maximum(g_re.abs(), g_im.abs()).amax(1, keepdim=True)  # [F, 1, N]
+    (q_re, scale), (q_im, _) = _quantize(g_re, top, levels), _quantize(g_im, top, levels)
+    q = torch.zeros(f, k, tiles * TILE, 2, dtype=torch.int16, device=g_re.device)
+    q[:, :, :n, 0] = q_re.to(torch.int16)
+    q[:, :, :n, 1] = q_im.to(torch.int16)
+    packed = q.view(f, k, tiles, TILE, 2).transpose(1, 2).contiguous()
+    scales = torch.zeros(f, tiles * TILE, dtype=torch.float32, device=g_re.device)
+    scales[:, :n] = scale[:, 0]
+    return WordSpectra(packed, scales, levels)
+
+
+def word_rows_built() -> bool:
+    """Whether the kernels here were built with ``word_rows_product`` (the portable AVX2
+    build)."""
+    lib = _library()
+    return lib is not None and hasattr(lib, "word_rows_product")
+
+
+def word_rows_available(x_re: Tensor, x_im: Tensor) -> bool:
+    """Whether ``word_rows_product`` serves these row blocks: float32 eval on the CPU inside
+    ``rstmodel.precision.inference("int16")`` and the kernel built."""
+    from rstmodel.precision import int16_products
+
+    return int16_products() and available(x_re, x_im) and word_rows_built()
+
+
+def word_rows_product(
+    x_re: Tensor,
+    x_im: Tensor,
+    spectra: WordSpectra,
+    n: int,
+    bias: Tensor | None = None,
+    dc_rows: int = 0,
+    dc_scale: float = 1.0,
+) -> Tensor:
+    """``joined_rows_product`` on 16-bit integers: each frequency's rows ``x [F, M, K]``
+    (float32) quantized per row to ``spectra.levels`` (over ``|Re x|, |Im x|``), the spectra
+    as ``pack_words`` quantized them, the complex products summed exactly in 32 bits and
+    scaled back: ``[Re y; Im y]`` ``[2, F, M, N]`` float32, the bias added as there.
+    ``word_rows_reference`` computes the same values with torch."""
+    f, m, k = x_re.shape
+    tiles = -(-n // TILE)
+    if spectra.g.shape != (f, tiles, k, TILE, 2) or not spectra.g.is_contiguous():
+        raise ValueError(f"spectra {tuple(spectra.g.shape)} are not words for {f} x {k} x {n}")
+    if x_re.dtype != torch.float32 or x_im.dtype != torch.float32:
+        raise ValueError(f"float32 rows only, not {x_re.dtype}")
+    x_re, x_im = x_re.contiguous(), x_im.contiguous()
+    y = x_re.new_empty(2, f, m, n)
+    threads = max(1, torch.get_num_threads())
+    pointers = [t.data_ptr() for t in (x_re, x_im, spectra.g, spectra.scale, y)]
+    err = _library().word_rows_product(*pointers, f, m, k, n, spectra.levels, threads)
+    if err:
+        raise ValueError(
+            {1: f"the kernel takes at least one row, not {m}", 2: "out of memory"}.get(
+                err, f"levels {spectra.levels} could overflow 32-bit sums over K = {k}"
+            )
+        )
+    if bias is not None:
+        y[0, :dc_rows] += bias.to(y.dtype) * dc_scale
+    return y
+
+
+def word_rows_reference(
+    x_re: Tensor,
+    x_im: Tensor,
+    g_re: Tensor,
+    g_im: Tensor,
+    bias: Tensor | None = None,
+    dc_rows: int = 0,
+    dc_scale: float = 1.0,
+) -> Tensor:
+    """What ``word_rows_product`` computes (on ``pack_words(g_re, g_im)``), in torch: the
+    integer products summed in float64 (exact), the same scalings and roundings."""
+    levels = word_levels(x_re.shape[-1])
+    top = torch.maximum(x_re.abs(), x_im.abs()).amax(2, keepdim=True)  # [F, M, 1]
+    (q_re, sx), (q_im, _) = _quantize(x_re, top, levels), _quantize(x_im, top, levels)
+    gtop = torch.maximum(g_re.abs(), g_im.abs()).amax(1, keepdim=True)
+    (w_re, sg), (w_im, _) = _quantize(g_re, gtop, levels), _quantize(g_im, gtop, levels)
+    q_re, q_im, w_re, w_im = (t.double() for t in (q_re, q_im, w_re, w_im))
+    s = sx * sg  # [F, M, N] float32, one rounding as the kernel's
+    y = torch.stack(
+        [(q_re @ w_re - q_im @ w_im).float() * s, (q_im @ w_re + q_re @ w_im).float() * s]
+    )
     if bias is not None:
         y[0, :dc_rows] += bias.to(y.dtype) * dc_scale
     return y
