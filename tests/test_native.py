@@ -1027,6 +1027,22 @@ def test_small_gemm_is_the_float32_product(a_shape, b_shape):
 
 
 @f32_gemms
+@pytest.mark.parametrize("n", [65536, 65544, 65537])
+def test_small_gemm_streams_a_large_output_with_the_same_values(n):
+    """An output of 8 MB or more whose rows lie on 32-byte boundaries is written past the
+    caches (non-temporal stores; n = 65537 rows are not aligned and are stored as usual):
+    the values are those of the same product in column halves small enough to stay in the
+    caches, bit for bit, and the float32 product's."""
+    torch.manual_seed(n)
+    a, b = torch.randn(32, 9), torch.randn(9, n)
+    got = native.small_gemm(a, b)  # 32 x 65536 x 4 bytes = 8 MB
+    half = n // 2
+    parts = torch.cat([native.small_gemm(a, b[:, :half]), native.small_gemm(a, b[:, half:])], 1)
+    assert torch.equal(got, parts)
+    torch.testing.assert_close(got.double(), a.double() @ b.double(), rtol=1e-5, atol=1e-5)
+
+
+@f32_gemms
 @pytest.mark.parametrize(
     "m,k,batch,segments,seg",
     [(32, 28, 3, 8, 552), (18, 14, 2, 16, 69), (5, 3, 3, 4, 40), (9, 4, 2, 3, 33)],
@@ -1150,6 +1166,7 @@ def test_the_portable_kernels_give_the_torch_values_wherever_they_build(monkeypa
                 test_column_stats_are_the_float64_sums(dtype, n, c)
         for a_shape, b_shape in (((13, 3), (3, 17)), ((8, 28), (3, 28, 70)), ((1, 7), (7, 129))):
             test_small_gemm_is_the_float32_product(a_shape, b_shape)
+        test_small_gemm_streams_a_large_output_with_the_same_values(65536)
         test_small_gemm_gather_is_the_float32_product_of_the_gathered_rows(18, 14, 2, 16, 69)
         test_small_gemm_gather_is_the_float32_product_of_the_gathered_rows(9, 4, 2, 3, 33)
         for relu in (True, False):

@@ -585,12 +585,25 @@ typedef struct {
   long batch, ldb_batch, ldc_batch, m, k, n;
   const long *idx; /* NULL, or B's rows gathered (small_gemm_gather_f32) */
   long seg;
+  long stream; /* C's whole panels written past the caches (stream_panels) */
 } fjob_t;
+
+/* Whether a GEMM writes C's whole panels with non-temporal stores: where C is larger than
+ * the caches its lines would be read from memory before each write (for ownership) and
+ * evicted unread; streamed, they are only written. 0.69-0.81x the kernel's time at the
+ * DFTs' shapes of a sweep's batch (C 17-35 MB) on a 2-core AVX2 EPYC; where C fits the
+ * caches (one image: 1.6 MB) the next GEMM reads it from there, so it is not streamed.
+ * Needs C's rows on 32-byte boundaries. */
+#define STREAM_BYTES (8L << 20)
+static long stream_panels(const float *c, long batch, long m, long n) {
+  return batch * m * n * 4 >= STREAM_BYTES && !(((unsigned long)c | (unsigned long)(n * 4)) & 31);
+}
 
 /* rows [m0, m0 + g) of A times the panel in buf (K x PANEL), into C (row stride n) */
 static inline __attribute__((always_inline)) void fblock(const float *a, const float *buf,
                                                          float *c, long n, long k, long m0,
-                                                         long width, const long g) {
+                                                         long width, long stream,
+                                                         const long g) {
   v8 acc[GRB][2];
   for (long r = 0; r < g; ++r) acc[r][0] = acc[r][1] = (v8){0};
   const float *ar = a + m0 * k;
@@ -602,6 +615,13 @@ static inline __attribute__((always_inline)) void fblock(const float *a, const f
       acc[r][0] += s * b0;
       acc[r][1] += s * b1;
     }
+  }
+  if (width == PANEL && stream) {
+    for (long r = 0; r < g; ++r) {
+      _mm256_stream_ps(c + (m0 + r) * n, (__m256)acc[r][0]);
+      _mm256_stream_ps(c + (m0 + r) * n + HALF, (__m256)acc[r][1]);
+    }
+    return;
   }
   if (width == PANEL) {
     for (long r = 0; r < g; ++r) {
@@ -645,18 +665,18 @@ static void copy_gathered(const float *src, const long *seg, long len, long n0, 
 /* rows of A in blocks of at most GRB, as even as the count allows (56 rows: 6 blocks of 6
  * and 4 of 5, not 9 of 6 and one of 2) */
 static void fblocks(const float *a, const float *buf, float *c, long n, long k, long m,
-                    long width) {
+                    long width, long stream) {
   const long blocks = (m + GRB - 1) / GRB, base = m / blocks, extra = m % blocks;
   long m0 = 0;
   for (long q = 0; q < blocks; ++q) {
     const long g = base + (q < extra);
     switch (g) {
-    case 6: fblock(a, buf, c, n, k, m0, width, 6); break;
-    case 5: fblock(a, buf, c, n, k, m0, width, 5); break;
-    case 4: fblock(a, buf, c, n, k, m0, width, 4); break;
-    case 3: fblock(a, buf, c, n, k, m0, width, 3); break;
-    case 2: fblock(a, buf, c, n, k, m0, width, 2); break;
-    case 1: fblock(a, buf, c, n, k, m0, width, 1); break;
+    case 6: fblock(a, buf, c, n, k, m0, width, stream, 6); break;
+    case 5: fblock(a, buf, c, n, k, m0, width, stream, 5); break;
+    case 4: fblock(a, buf, c, n, k, m0, width, stream, 4); break;
+    case 3: fblock(a, buf, c, n, k, m0, width, stream, 3); break;
+    case 2: fblock(a, buf, c, n, k, m0, width, stream, 2); break;
+    case 1: fblock(a, buf, c, n, k, m0, width, stream, 1); break;
     }
     m0 += g;
   }
@@ -680,7 +700,7 @@ static void fpanel(const fjob_t *j, long bi, long n0, float *buf) {
   }
   for (long p0 = n0; p0 < n0 + UNIT && p0 < n; p0 += PANEL)
     fblocks(j->a, buf + (p0 - n0) / PANEL * k * PANEL, c + p0, n, k, m,
-            n - p0 < PANEL ? n - p0 : PANEL);
+            n - p0 < PANEL ? n - p0 : PANEL, j->stream);
 }
 
 /* every (batch, panel) pair of the job, handed out in chunks */
@@ -694,6 +714,7 @@ static int fgemm_panels(const fjob_t *job, long threads) {
     float *buf = bufs + omp_get_thread_num() * per;
 #pragma omp for schedule(dynamic, chunk)
     for (long u = 0; u < units; ++u) fpanel(job, u / panels, (u % panels) * UNIT, buf);
+    if (job->stream) _mm_sfence(); /* the streamed stores seen before the threads join */
   }
   free(bufs);
   return 0;
@@ -702,7 +723,8 @@ static int fgemm_panels(const fjob_t *job, long threads) {
 int small_gemm_f32(const float *a, const float *b, float *c, long batch, long m, long k,
                    long n, long threads) {
   if (batch < 1 || m < 1 || k < 1 || k > KMAX || n < 1 || threads < 1) return 1;
-  const fjob_t job = {a, b, c, batch, k * n, m * n, m, k, n, NULL, 0};
+  const fjob_t job = {a, b, c, batch, k * n, m * n, m, k, n, NULL, 0,
+                      stream_panels(c, batch, m, n)};
   return fgemm_panels(&job, threads);
 }
 
@@ -712,7 +734,8 @@ int small_gemm_gather_f32(const float *a, const float *src, const long *idx, flo
                           long batch, long m, long k, long n, long seg, long threads) {
   if (batch < 1 || m < 1 || k < 1 || k > KMAX || n < 1 || seg < 32 || n % seg || threads < 1)
     return 1;
-  const fjob_t job = {a, src, c, batch, 0, m * n, m, k, n, idx, seg};
+  const fjob_t job = {a, src, c, batch, 0, m * n, m, k, n, idx, seg,
+                      stream_panels(c, batch, m, n)};
   return fgemm_panels(&job, threads);
 }
 
