@@ -31,9 +31,10 @@ for name in rst_cnn_fb cnn; do
 done
 
 # The RST-CNN's checkpoint competes too, run by eager torch (serve.eager): with int8
-# per-frequency products, else in bfloat16, where this CPU has them and the recorded accuracy
-# check at that precision (models/rst_cnn_fb.int8-gate.json, models/rst_cnn_fb.bf16-gate.json,
-# made by train/precision_check.py [--precision int8] --record) passes, float32 otherwise. The app measures each copy at
+# per-frequency products, else in bfloat16, else with int16 products (CPUs with AVX2 but no
+# AVX-512), where this CPU has them and the recorded accuracy check at that precision
+# (models/rst_cnn_fb.int8-gate.json, .bf16-gate.json, .int16-gate.json, made by
+# train/precision_check.py --precision P --record) passes, float32 otherwise. The app measures each copy at
 # one image and at a sweep's batch and serves the fastest for each (serve.variants).
 served+=(--model models/rst_cnn_fb.pt)
 

@@ -68,7 +68,21 @@ take the dtype of their operands): on a 2-core AVX2 CPU the library GEMM (MKL) r
 DFTs' shapes at 11-25 G multiply-adds/s, the kernel 0.60-0.89x its time (0.64-0.67x for the
 pooled form against the GEMM and a pool), and float32 eval of the shipped RST-CNN took
 0.77-0.89x the time at batches 1-22 with them (BENCHMARKS.md, "Issue 13, twenty-fifth
-session"). The AVX-512 build keeps the library GEMM for float32.
+session"). An output of 8 MB or more (a sweep batch's) is written with non-temporal stores,
+which skip reading each line before writing it (0.69-0.81x the time at those shapes). The
+AVX-512 build keeps the library GEMM for float32.
+
+The portable build's answer to the int8 products is ``word_rows_product``, inside
+``rstmodel.precision.inference("int16")`` (float32 otherwise): each frequency's rows and the
+filter spectra (``pack_words``) are scaled to ``word_levels(K)`` (~12 bits at the shipped
+model's widths, the most for which no 32-bit sum can overflow) and rounded, and AVX2's word
+multiply-add (two 16-bit products summed into 32 bits, 16 per instruction where a float32
+FMA does 8) takes each column's (Re G, Im G) pair with the broadcast (Re x, -Im x) or
+(Im x, Re x); the sums are exact and scaled back to float32 once, so ``word_rows_reference``
+gives the same values with torch. At the shipped model's shapes it takes 0.51-0.76x the
+float32 kernel's time (0.51 at one image, where reading the spectra binds and they are half
+the bytes); at a sweep batch it is as much bound by memory as by the multiply-adds
+(BENCHMARKS.md, "Issue 13, twenty-sixth session").
 
 All the kernels split their work between OpenMP threads. Built with ``-fopenmp`` the
 library needs ``libgomp.so.1``, which the loader finds already loaded beside torch (its
