@@ -103,3 +103,42 @@ def test_shipped_models_classify_real_test_images(test_images, name, floor):
         with torch.no_grad():
             turned = model(torch.rot90(x[:8], 1, dims=(-2, -1)))
         assert (turned - logits[:8]).abs().max() < 1e-4 * logits[:8].abs().max()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8", "int16"])
+def test_shipped_accuracy_checks_belong_to_the_shipped_checkpoint(precision):
+    """Each reduced precision's recorded check beside the RST-CNN (what the app reads to
+    serve it so) passes and names the shipped checkpoint file's SHA-256: a re-shipped
+    checkpoint needs its checks made again, or the app ignores them."""
+    import json
+
+    from rstcnn.export.onnx_export import file_sha256
+    from rstcnn.serve.eager import gate_path, read_gate
+
+    checkpoint = MODELS / "rst_cnn_fb.pt"
+    record = json.loads(gate_path(checkpoint, precision).read_text())
+    assert record["precision"] == precision and record["images"] >= 1000
+    assert read_gate(checkpoint, file_sha256(checkpoint), precision) == {**record, "passes": True}
+    assert record["drop_points"] <= record["limit_points"] == 0.5
+
+
+def test_shipped_rst_model_in_int16_matches_float32_on_real_images(test_images):
+    """Where the CPU runs the int16 products (AVX2 without AVX-512): the top class of every
+    real test image is float32's, the logits within 10^-3 of the largest, and quarter turns
+    still keep them (each turned copy's rows are quantized alike)."""
+    from rstmodel.precision import inference, int16_supported
+
+    if not int16_supported():
+        pytest.skip("no int16 products on this CPU (its int8 and bfloat16 checks run instead)")
+    model, meta = rstmodel.load_checkpoint(MODELS / "rst_cnn_fb.pt")
+    model.eval()
+    images, _ = test_images
+    x = (torch.from_numpy(images[:32, None].astype(np.float32) / 255) - meta.mean[0]) / meta.std[0]
+    with inference("fp32"):
+        exact = model(x)
+    with inference("int16"):
+        quant = model(x)
+        turned = model(torch.rot90(x[:8], 1, dims=(-2, -1)))
+    assert torch.equal(quant.argmax(1), exact.argmax(1))
+    assert 0 < (quant - exact).abs().max() < 1e-3 * exact.abs().max()
+    assert (turned - quant[:8]).abs().max() < 1e-4 * quant[:8].abs().max()
