@@ -25,8 +25,10 @@ compiled kernels; ``int8_supported`` says whether this one has them.
 same per-frequency products, which run on 16-bit integers (each frequency's rows and the
 filter spectra scaled to ~12 bits, 2,820-3,944 levels at the shipped model's widths, so
 that exact 32-bit sums cannot overflow: ``rstmodel.layers.native.word_rows_product``,
-AVX2's ``vpmaddwd``, twice a float32 FMA's multiply-adds per instruction). It needs the
-portable (AVX2) build of the kernels; ``int16_supported`` says whether this CPU runs it.
+AVX2's ``vpmaddwd``; half the bytes of float32 spectra). The shipped RST-CNN's forward took
+0.73x (one image) to 0.88x (22) the float32 time on an AVX2 EPYC, the logits within 0.006 of
+float32's on its whole test split. It needs the portable (AVX2) build of the kernels;
+``int16_supported`` says whether this CPU runs it.
 """
 
 from __future__ import annotations

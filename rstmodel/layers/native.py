@@ -79,9 +79,12 @@ model's widths, the most for which no 32-bit sum can overflow) and rounded, and 
 multiply-add (two 16-bit products summed into 32 bits, 16 per instruction where a float32
 FMA does 8) takes each column's (Re G, Im G) pair with the broadcast (Re x, -Im x) or
 (Im x, Re x); the sums are exact and scaled back to float32 once, so ``word_rows_reference``
-gives the same values with torch. At the shipped model's shapes it takes 0.51-0.76x the
-float32 kernel's time (0.51 at one image, where reading the spectra binds and they are half
-the bytes); at a sweep batch it is as much bound by memory as by the multiply-adds
+gives the same values with torch. On the Zen 3 CPU it was measured on, one word multiply-add
+issues per cycle against two FMAs (``results/bench/peak-s26.c``: ~52 against ~56 G
+multiply-adds/s per core), so what it gains is half the spectra's bytes and a loop that runs
+near that peak in cache (~50 G/s per thread, the float32 kernel ~25-35): 0.51x the float32
+kernel's time at one image, where reading the spectra binds, 0.74-0.78x at 8-22 images,
+where reading the rows and writing the outputs weigh as much as the multiply-adds
 (BENCHMARKS.md, "Issue 13, twenty-sixth session").
 
 All the kernels split their work between OpenMP threads. Built with ``-fopenmp`` the
