@@ -1195,3 +1195,21 @@ def test_build_name_says_which_kernels_run(monkeypatch):
     finally:
         monkeypatch.undo()
         native._library.cache_clear()
+
+
+def test_the_precision_checks_read_their_own_checkouts_precision_module(monkeypatch):
+    """``model_bench --against`` keeps two checkouts' ``rstmodel`` in one process, the
+    older imported last: the kernels' checks use the ``rstmodel.precision`` of their own
+    checkout (bound at import), not whatever ``sys.modules`` holds by that name when they
+    run (an older one without int16 products broke the bench)."""
+    import sys
+    import types
+
+    from rstmodel import precision
+
+    monkeypatch.setitem(sys.modules, "rstmodel.precision", types.ModuleType("rstmodel.precision"))
+    rows = torch.randn(3, 2, 4)
+    with torch.no_grad():
+        assert native.word_rows_available(rows, rows) is False
+        assert native.quad_rows_available(rows, rows) is False
+    assert native._precision is precision

@@ -128,6 +128,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+# bound now, not looked up at call time: model_bench keeps two checkouts' rstmodel in one
+# process, and a lookup by name from a function would find the other checkout's
+from .. import precision as _precision
+
 __all__ = [
     "available",
     "build_name",
@@ -473,9 +477,7 @@ def quad_rows_built() -> bool:
 def quad_rows_available(x_re: Tensor, x_im: Tensor) -> bool:
     """Whether ``quad_rows_product`` serves these row blocks: inside
     ``rstmodel.precision.inference("int8")``, ``paired_available`` and the kernel built."""
-    from rstmodel.precision import int8_products
-
-    return int8_products() and paired_available(x_re, x_im) and quad_rows_built()
+    return _precision.int8_products() and paired_available(x_re, x_im) and quad_rows_built()
 
 
 def quad_rows_product(
@@ -570,9 +572,7 @@ def word_rows_built() -> bool:
 def word_rows_available(x_re: Tensor, x_im: Tensor) -> bool:
     """Whether ``word_rows_product`` serves these row blocks: float32 eval on the CPU inside
     ``rstmodel.precision.inference("int16")`` and the kernel built."""
-    from rstmodel.precision import int16_products
-
-    return int16_products() and available(x_re, x_im) and word_rows_built()
+    return _precision.int16_products() and available(x_re, x_im) and word_rows_built()
 
 
 def word_rows_product(
