@@ -383,9 +383,7 @@ def joined_rows_product(
         x.data_ptr(), packed.data_ptr(), y.data_ptr(), f, m, k, n, threads
     ):
         raise ValueError(f"the kernel takes at least one row, not {m}")
-    if bias is not None:
-        y[0, :dc_rows] += bias.to(y.dtype) * dc_scale
-    return y
+    return _with_bias(y, bias, dc_rows, dc_scale)
 
 
 def paired_rows_product(
@@ -426,9 +424,7 @@ def _bf16_rows_product(
         raise ValueError(
             f"the kernel takes at least one row, not {m}" if err == 1 else "out of memory"
         )
-    if bias is not None:
-        y[0, :dc_rows] += bias.to(y.dtype) * dc_scale
-    return y
+    return _with_bias(y, bias, dc_rows, dc_scale)
 
 
 class QuadSpectra(NamedTuple):
@@ -514,15 +510,29 @@ def quad_rows_reference(
     """What ``quad_rows_product`` computes (on ``pack_quads(g_re, g_im)``), in torch: the
     integer products summed in float64 (exact), the same scalings and roundings."""
     x_re, x_im = x_re.to(torch.bfloat16).float(), x_im.to(torch.bfloat16).float()
+    y = _integer_product(x_re, x_im, g_re, g_im, 127).to(torch.bfloat16)
+    return _with_bias(y, bias, dc_rows, dc_scale)
+
+
+def _integer_product(x_re: Tensor, x_im: Tensor, g_re: Tensor, g_im: Tensor, levels: int) -> Tensor:
+    """The integer kernels' complex products in torch: each frequency's rows ``[F, M, K]``
+    quantized to ``levels`` over their largest part, the spectra ``[F, K, N]`` per column,
+    the integer products summed in float64 (exact), scaled back in float32 with the scale
+    product rounded once, as the kernels do: ``[Re y; Im y]`` ``[2, F, M, N]`` float32."""
     top = torch.maximum(x_re.abs(), x_im.abs()).amax(2, keepdim=True)  # [F, M, 1]
-    (q_re, sx), (q_im, _) = _quantize(x_re, top), _quantize(x_im, top)
+    (q_re, sx), (q_im, _) = _quantize(x_re, top, levels), _quantize(x_im, top, levels)
     gtop = torch.maximum(g_re.abs(), g_im.abs()).amax(1, keepdim=True)
-    (w_re, sg), (w_im, _) = _quantize(g_re, gtop), _quantize(g_im, gtop)
+    (w_re, sg), (w_im, _) = _quantize(g_re, gtop, levels), _quantize(g_im, gtop, levels)
     q_re, q_im, w_re, w_im = (t.double() for t in (q_re, q_im, w_re, w_im))
-    s = sx * sg  # [F, M, N] float32, one rounding as the kernel's
-    y_re = ((q_re @ w_re - q_im @ w_im).float() * s).to(torch.bfloat16)
-    y_im = ((q_im @ w_re + q_re @ w_im).float() * s).to(torch.bfloat16)
-    y = torch.stack([y_re, y_im])
+    s = sx * sg  # [F, M, N] float32, one rounding as the kernels'
+    return torch.stack(
+        [(q_re @ w_re - q_im @ w_im).float() * s, (q_im @ w_re + q_re @ w_im).float() * s]
+    )
+
+
+def _with_bias(y: Tensor, bias: Tensor | None, dc_rows: int, dc_scale: float) -> Tensor:
+    """``y`` ``[2, F, M, N]`` with the bias (times ``dc_scale``, in y's dtype) added to the
+    real parts of its first ``dc_rows`` frequencies, as the products' wrappers add it."""
     if bias is not None:
         y[0, :dc_rows] += bias.to(y.dtype) * dc_scale
     return y
@@ -606,9 +616,7 @@ def word_rows_product(
                 err, f"levels {spectra.levels} could overflow 32-bit sums over K = {k}"
             )
         )
-    if bias is not None:
-        y[0, :dc_rows] += bias.to(y.dtype) * dc_scale
-    return y
+    return _with_bias(y, bias, dc_rows, dc_scale)
 
 
 def word_rows_reference(
@@ -622,19 +630,8 @@ def word_rows_reference(
 ) -> Tensor:
     """What ``word_rows_product`` computes (on ``pack_words(g_re, g_im)``), in torch: the
     integer products summed in float64 (exact), the same scalings and roundings."""
-    levels = word_levels(x_re.shape[-1])
-    top = torch.maximum(x_re.abs(), x_im.abs()).amax(2, keepdim=True)  # [F, M, 1]
-    (q_re, sx), (q_im, _) = _quantize(x_re, top, levels), _quantize(x_im, top, levels)
-    gtop = torch.maximum(g_re.abs(), g_im.abs()).amax(1, keepdim=True)
-    (w_re, sg), (w_im, _) = _quantize(g_re, gtop, levels), _quantize(g_im, gtop, levels)
-    q_re, q_im, w_re, w_im = (t.double() for t in (q_re, q_im, w_re, w_im))
-    s = sx * sg  # [F, M, N] float32, one rounding as the kernel's
-    y = torch.stack(
-        [(q_re @ w_re - q_im @ w_im).float() * s, (q_im @ w_re + q_re @ w_im).float() * s]
-    )
-    if bias is not None:
-        y[0, :dc_rows] += bias.to(y.dtype) * dc_scale
-    return y
+    y = _integer_product(x_re, x_im, g_re, g_im, word_levels(x_re.shape[-1]))
+    return _with_bias(y, bias, dc_rows, dc_scale)
 
 
 def pooled_mix_available(resp: Tensor, *params: Tensor | None) -> bool:
