@@ -7,8 +7,9 @@
  * registers at a time (GROUP rows of the products, HGROUP halves of the pooled mixing).
  *
  * Built here: joined_rows_product, its 16-bit integer form word_rows_product (AVX2's
- * vpmaddwd; the AVX-512 build has int8 products instead), pooled_mix_f32, pooled_mix_grad_f32, column_stats,
- * pool2x2, unpool2x2 (the last three also take bfloat16, widened exactly by a shift), and
+ * vpmaddwd; the AVX-512 build has int8 products instead), pooled_mix_f32,
+ * pooled_mix_grad_f32, column_stats, pool2x2, unpool2x2 (the last three also take
+ * bfloat16, widened exactly by a shift), and
  * the DFTs' GEMMs in float32 (small_gemm_f32, its gathered and pooled forms: the AVX-512
  * build's bfloat16 ones have no float32 twin there, where the library GEMM serves). The
  * bfloat16 and int8 dot-product kernels need AVX512-BF16 and AVX512-VNNI and are absent;
@@ -187,7 +188,7 @@ int joined_rows_product(const float *x, const float *g, float *y, long f, long m
 
 /* one frequency's rows [M, K] (real and imaginary parts) as word pairs in group order, group
  * q (rows r0..r0+g) at q + 2 r0 k as [k][2g]: (Re, -Im) of each row, then (Im, Re), so that
- * a group's 2g broadcasts per k come from one cache line (rows apart: 12 lines, 1.02-1.23x
+ * a group's 2g broadcasts per k come from one cache line (rows apart, 2g lines: 1.02-1.23x
  * the kernel's time at the shipped model's shapes); sx[r] the row's scale */
 static void quantize_rows(const float *xr, const float *xi, int *q, float *sx, long m, long k,
                           float levels) {
