@@ -778,8 +778,10 @@ static int fpool_rows(const float *a, const float *b, float *out, const long *ds
         for (int q = 0; q < 2; ++q)
           for (int r = 0; r < 2; ++r) acc[q][r][0] = acc[q][r][1] = (v8){0};
         for (long i = 0; i < k; ++i) {
-          const v8 b00 = *(const v8 *)(buf0 + i * PANEL), b01 = *(const v8 *)(buf0 + i * PANEL + HALF);
-          const v8 b10 = *(const v8 *)(buf1 + i * PANEL), b11 = *(const v8 *)(buf1 + i * PANEL + HALF);
+          const v8 b00 = *(const v8 *)(buf0 + i * PANEL);
+          const v8 b01 = *(const v8 *)(buf0 + i * PANEL + HALF);
+          const v8 b10 = *(const v8 *)(buf1 + i * PANEL);
+          const v8 b11 = *(const v8 *)(buf1 + i * PANEL + HALF);
           const float s0 = a0[i], s1 = a1[i];
           acc[0][0][0] += s0 * b00, acc[0][0][1] += s0 * b01;
           acc[0][1][0] += s1 * b00, acc[0][1][1] += s1 * b01;
