@@ -220,6 +220,16 @@ def test_the_fft_path_takes_the_paired_kernel_in_bfloat16_eval(monkeypatch, batc
         assert not native.paired_available(rows, rows)
 
 
+def _integer_case(f: int, rows: int, k: int, n: int) -> tuple[torch.Tensor, ...]:
+    """Rows ``[F, M, K]`` of varied scale (the first all zeros), spectra ``[F, K, N]`` and a
+    bias ``[N]`` for the integer products' exactness tests, seeded by the shape."""
+    torch.manual_seed(rows * k + n)
+    x_re, x_im = (torch.randn(2, f, rows, k) * torch.rand(f, rows, 1) * 10).unbind(0)
+    x_re[0, 0], x_im[0, 0] = 0, 0
+    g_re, g_im = torch.randn(2, f, k, n).unbind(0)
+    return x_re, x_im, g_re, g_im, torch.randn(n)
+
+
 quads = pytest.mark.skipif(
     not native.quad_rows_built(), reason="no AVX512-BF16 and AVX512-VNNI on this machine"
 )
@@ -233,12 +243,8 @@ def test_int8_product_is_its_reference_exactly(rows, k, n):
     second input column past K), widths past whole tiles, a row of zeros and the bias: the
     kernel's bfloat16 outputs are ``quad_rows_reference``'s bit for bit (the integer sums
     are exact, the scalings the same float32 steps)."""
-    torch.manual_seed(rows * k + n)
     f = 5
-    x_re, x_im = (torch.randn(2, f, rows, k) * torch.rand(f, rows, 1) * 10).unbind(0)
-    x_re[0, 0], x_im[0, 0] = 0, 0
-    g_re, g_im = torch.randn(2, f, k, n).unbind(0)
-    bias = torch.randn(n)
+    x_re, x_im, g_re, g_im, bias = _integer_case(f, rows, k, n)
     got = native.quad_rows_product(x_re, x_im, native.pack_quads(g_re, g_im), n, bias, 2, 1.5)
     want = native.quad_rows_reference(x_re, x_im, g_re, g_im, bias, 2, 1.5)
     assert got.dtype == torch.bfloat16 and got.shape == (2, f, rows, n)
@@ -337,12 +343,8 @@ def test_int16_product_is_its_reference_exactly(rows, k, n):
     widths past whole tiles, a row of zeros and the bias: the kernel's float32 outputs are
     ``word_rows_reference``'s bit for bit (the integer sums are exact, the scalings the same
     float32 steps)."""
-    torch.manual_seed(rows * k + n)
     f = 5
-    x_re, x_im = (torch.randn(2, f, rows, k) * torch.rand(f, rows, 1) * 10).unbind(0)
-    x_re[0, 0], x_im[0, 0] = 0, 0
-    g_re, g_im = torch.randn(2, f, k, n).unbind(0)
-    bias = torch.randn(n)
+    x_re, x_im, g_re, g_im, bias = _integer_case(f, rows, k, n)
     got = native.word_rows_product(x_re, x_im, native.pack_words(g_re, g_im), n, bias, 2, 1.5)
     want = native.word_rows_reference(x_re, x_im, g_re, g_im, bias, 2, 1.5)
     assert got.dtype == torch.float32 and got.shape == (2, f, rows, n)
