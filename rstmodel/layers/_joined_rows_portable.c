@@ -814,3 +814,200 @@ int small_gemm_pool_scatter_f32(const float *a, const float *b, float *out, cons
   if (!dst) return 1;
   return fpool_rows(a, b, out, dst, seg, h, w, k, n, relu, threads);
 }
+
+/* ------------------------------------------- the DFTs along H by pairs of frequencies */
+
+/* The DFT along H is complex both ways (the W one came first and made it so), and X(n)
+ * and X(nh - n) share their products: with C = sum_j a_j cos(2 pi n j / nh) and S = sum_j
+ * a_j sin(...), X(n) = C - i S and X(nh - n) = C + i S. So the nq = nh/2 + 1 frequencies
+ * n = 0 .. nh/2 give all nh at 2 nh H real multiply-adds per column where the complex GEMM
+ * with the full matrix (small_gemm_f32 with [2nh, 2H]) does 4 nh H; the inverse likewise
+ * from the pair sums Y(n) + Y(nh - n) and differences Y(n) - Y(nh - n). Both work on
+ * vectors of 8 columns in units of PUNIT vectors, the unit's inputs copied into an L1
+ * buffer first (their rows are far apart), and write outputs of STREAM_BYTES or more past
+ * the caches, as small_gemm_f32 does. */
+#define PUNIT 32 /* vectors of 8 columns per unit of work */
+#ifndef PAHEAD
+#define PAHEAD (2 * PUNIT * HALF) /* floats ahead that each row is prefetched: two units */
+#endif
+#define PMAX 512 /* the most rows of input a unit takes (H forward, nh/2 + 1 inverse) */
+
+/* rows n with a mirror nh - n among the frequencies not computed: 1 <= n <= nh - nq */
+static inline long mirrored(long n, long nh, long nq) { return n >= 1 && n <= nh - nq; }
+
+static inline void put_row(float *p, v8 v, long width, long stream) {
+  if (width < HALF)
+    store8(p, v, width);
+  else if (stream)
+    _mm256_stream_ps(p, (__m256)v);
+  else
+    *(v8u *)p = v;
+}
+
+/* rows n0 .. n0 + g of the forward pairs for one vector of columns; buf: (re, im) per j */
+static inline __attribute__((always_inline)) void pairs_fwd_block(
+    const float *cs, const float *buf, float *out, long h, long nh, long nq, long l,
+    long n0, long width, long stream, const long g) {
+  v8 acc[3][4]; /* [n][C re, C im, S re, S im] */
+  for (long r = 0; r < g; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = (v8){0};
+  const float *cr = cs + n0 * h, *sr = cs + (nq + n0) * h;
+  for (long j = 0; j < h; ++j) {
+    const v8 re = *(const v8 *)(buf + j * 2 * HALF), im = *(const v8 *)(buf + (2 * j + 1) * HALF);
+#pragma GCC unroll 3
+    for (long r = 0; r < g; ++r) {
+      const float c = cr[r * h + j], s = sr[r * h + j];
+      acc[r][0] += c * re, acc[r][1] += c * im;
+      acc[r][2] += s * re, acc[r][3] += s * im;
+    }
+  }
+  for (long r = 0; r < g; ++r) {
+    const long n = n0 + r;
+    put_row(out + n * l, acc[r][0] + acc[r][3], width, stream);        /* Re X(n) */
+    put_row(out + (nh + n) * l, acc[r][1] - acc[r][2], width, stream); /* Im X(n) */
+    if (mirrored(n, nh, nq)) {
+      put_row(out + (nh - n) * l, acc[r][0] - acc[r][3], width, stream);
+      put_row(out + (2 * nh - n) * l, acc[r][1] + acc[r][2], width, stream);
+    }
+  }
+}
+
+/* out [2, nh, L] (Re X rows, then Im X rows) = the DFT along H of a [H, 2, L] (each row's
+ * real parts, then its imaginary parts): X(n) = sum_j a_j e^{-i 2 pi n j / nh}, from cs
+ * [2, nq, H] (cos rows, then sin rows, n = 0 .. nq - 1, nq = nh/2 + 1). */
+int dft_pairs_forward_f32(const float *cs, const float *a, float *out, long h, long nh, long l,
+                          long threads) {
+  const long nq = nh / 2 + 1;
+  if (h < 1 || h > PMAX || nh < 1 || l < 1 || threads < 1) return 1;
+  const long vecs = (l + HALF - 1) / HALF, units = (vecs + PUNIT - 1) / PUNIT;
+  const long stream = 0 && 2 * nh * l * 4 >= STREAM_BYTES && !(((unsigned long)out | (l * 4)) & 31);
+  const long blocks = (nq + 2) / 3, base = nq / blocks, extra = nq % blocks;
+  const long per = PUNIT * h * 2 * HALF; /* a multiple of 32 bytes */
+  float *bufs = aligned_alloc(32, sizeof(float) * threads * per);
+  if (!bufs) return 2;
+#pragma omp parallel num_threads(threads)
+  {
+    float *buf = bufs + omp_get_thread_num() * per;
+#pragma omp for schedule(dynamic, chunk_size(units, threads))
+    for (long u = 0; u < units; ++u) {
+      const long v0 = u * PUNIT, v1 = v0 + PUNIT < vecs ? v0 + PUNIT : vecs;
+      for (long v = v0; v < v1; ++v) { /* the unit's columns of every row, re and im */
+        const long c0 = v * HALF, width = lanes_left(l, c0);
+        float *b = buf + (v - v0) * h * 2 * HALF;
+        for (long j = 0; j < h; ++j) {
+          const float *row = a + j * 2 * l + c0;
+          __builtin_prefetch(row + PAHEAD);
+          __builtin_prefetch(row + l + PAHEAD);
+          *(v8 *)(b + j * 2 * HALF) = load8(row, width);
+          *(v8 *)(b + (2 * j + 1) * HALF) = load8(row + l, width);
+        }
+      }
+      for (long v = v0; v < v1; ++v) {
+        const long c0 = v * HALF, width = lanes_left(l, c0);
+        const float *b = buf + (v - v0) * h * 2 * HALF;
+        long n0 = 0;
+        for (long q = 0; q < blocks; ++q) {
+          const long g = base + (q < extra);
+          if (g == 3) pairs_fwd_block(cs, b, out + c0, h, nh, nq, l, n0, width, stream, 3);
+          else if (g == 2) pairs_fwd_block(cs, b, out + c0, h, nh, nq, l, n0, width, stream, 2);
+          else pairs_fwd_block(cs, b, out + c0, h, nh, nq, l, n0, width, stream, 1);
+          n0 += g;
+        }
+      }
+    }
+    if (stream) _mm_sfence();
+  }
+  free(bufs);
+  return 0;
+}
+
+/* rows j0 .. j0 + g of the inverse for one vector of columns; buf: (P re, P im, Q re,
+ * Q im) per n */
+static inline __attribute__((always_inline)) void pairs_inv_block(
+    const float *cs, const float *buf, float *z, long h, long nq, long l, long j0, long width,
+    long stream, const long g) {
+  v8 acc[6][2]; /* [j][Re z, Im z] */
+  for (long r = 0; r < g; ++r) acc[r][0] = acc[r][1] = (v8){0};
+  const float *cr = cs + j0 * nq, *sr = cs + (h + j0) * nq;
+  for (long n = 0; n < nq; ++n) {
+    const float *p = buf + n * 4 * HALF;
+    const v8 pre = *(const v8 *)p, pim = *(const v8 *)(p + HALF);
+    const v8 qre = *(const v8 *)(p + 2 * HALF), qim = *(const v8 *)(p + 3 * HALF);
+#pragma GCC unroll 6
+    for (long r = 0; r < g; ++r) {
+      const float c = cr[r * nq + n], s = sr[r * nq + n];
+      acc[r][0] += c * pre, acc[r][0] -= s * qim;
+      acc[r][1] += c * pim, acc[r][1] += s * qre;
+    }
+  }
+  for (long r = 0; r < g; ++r) {
+    put_row(z + (j0 + r) * 2 * l, acc[r][0], width, stream);
+    put_row(z + ((j0 + r) * 2 + 1) * l, acc[r][1], width, stream);
+  }
+}
+
+/* z [H, 2, L] (each output row's real parts, then its imaginary parts) = the first H rows
+ * of the inverse DFT along H (no 1/nh: the caller's next GEMM scales) of y [2, nh, L] (Re Y
+ * rows, then Im Y rows): z_j = sum_n Y(n) e^{+i 2 pi n j / nh}, from cs [2, H, nq] (cos,
+ * then sin, of 2 pi n j / nh for output row j and n = 0 .. nq - 1). */
+int dft_pairs_inverse_f32(const float *cs, const float *y, float *z, long h, long nh, long l,
+                          long threads) {
+  const long nq = nh / 2 + 1;
+  if (h < 1 || nh < 1 || nq > PMAX || l < 1 || threads < 1) return 1;
+  const long vecs = (l + HALF - 1) / HALF, units = (vecs + PUNIT - 1) / PUNIT;
+  const long stream = 0 && 2 * h * l * 4 >= STREAM_BYTES && !(((unsigned long)z | (l * 4)) & 31);
+  const long blocks = (h + 5) / 6, base = h / blocks, extra = h % blocks;
+  const long per = PUNIT * nq * 4 * HALF; /* a multiple of 32 bytes */
+  float *bufs = aligned_alloc(32, sizeof(float) * threads * per);
+  if (!bufs) return 2;
+#pragma omp parallel num_threads(threads)
+  {
+    float *buf = bufs + omp_get_thread_num() * per;
+#pragma omp for schedule(dynamic, chunk_size(units, threads))
+    for (long u = 0; u < units; ++u) {
+      const long v0 = u * PUNIT, v1 = v0 + PUNIT < vecs ? v0 + PUNIT : vecs;
+      for (long v = v0; v < v1; ++v) { /* pair sums and differences of the unit's columns */
+        const long c0 = v * HALF, width = lanes_left(l, c0);
+        float *b = buf + (v - v0) * nq * 4 * HALF;
+        for (long n = 0; n < nq; ++n) {
+          const float *re = y + n * l + c0, *im = y + (nh + n) * l + c0;
+          __builtin_prefetch(re + PAHEAD);
+          __builtin_prefetch(im + PAHEAD);
+          if (mirrored(n, nh, nq)) {
+            __builtin_prefetch(y + (nh - n) * l + c0 + PAHEAD);
+            __builtin_prefetch(y + (2 * nh - n) * l + c0 + PAHEAD);
+          }
+          const v8 yre = load8(re, width), yim = load8(im, width);
+          v8 pre = yre, pim = yim, qre = {0}, qim = {0};
+          if (mirrored(n, nh, nq)) {
+            const v8 mre = load8(y + (nh - n) * l + c0, width);
+            const v8 mim = load8(y + (2 * nh - n) * l + c0, width);
+            pre = yre + mre, pim = yim + mim, qre = yre - mre, qim = yim - mim;
+          }
+          float *p = b + n * 4 * HALF;
+          *(v8 *)p = pre, *(v8 *)(p + HALF) = pim;
+          *(v8 *)(p + 2 * HALF) = qre, *(v8 *)(p + 3 * HALF) = qim;
+        }
+      }
+      for (long v = v0; v < v1; ++v) {
+        const long c0 = v * HALF, width = lanes_left(l, c0);
+        const float *b = buf + (v - v0) * nq * 4 * HALF;
+        long j0 = 0;
+        for (long q = 0; q < blocks; ++q) {
+          const long g = base + (q < extra);
+          switch (g) {
+          case 6: pairs_inv_block(cs, b, z + c0, h, nq, l, j0, width, stream, 6); break;
+          case 5: pairs_inv_block(cs, b, z + c0, h, nq, l, j0, width, stream, 5); break;
+          case 4: pairs_inv_block(cs, b, z + c0, h, nq, l, j0, width, stream, 4); break;
+          case 3: pairs_inv_block(cs, b, z + c0, h, nq, l, j0, width, stream, 3); break;
+          case 2: pairs_inv_block(cs, b, z + c0, h, nq, l, j0, width, stream, 2); break;
+          default: pairs_inv_block(cs, b, z + c0, h, nq, l, j0, width, stream, 1); break;
+          }
+          j0 += g;
+        }
+      }
+    }
+    if (stream) _mm_sfence();
+  }
+  free(bufs);
+  return 0;
+}
