@@ -298,24 +298,7 @@ def _inverse_along_h(y: Tensor, shape: tuple[int, int, int, int]) -> tuple[_DFTM
     dft = _dft_matrices(h, w, nh, nw, dtype, y.device)
     y = y.to(dtype).reshape(2 * nh, -1)
     with torch.autocast(y.device.type, enabled=False):
-        if _pairs_pay(dft.pairs_inv, y):
-            z = native.dft_pairs_inverse(dft.pairs_inv, y.view(2, nh, -1))
-        else:
-            z = _dft_product(dft.inv_h, y)
-        return dft, z.view(h, 2 * fw, y.shape[1] // fw)
-
-
-# The DFTs along H by pairs of frequencies do half the multiply-adds of the complex GEMM,
-# but where their operands stream from memory both run at the memory's pace (0.9-1.0x the
-# GEMM's time at a sweep batch's shapes on a 2-core AVX2 EPYC, 0.6-0.7x where they fit the
-# caches: BENCHMARKS.md); they serve below this many bytes of input
-PAIRS_MAX_BYTES = 8 << 20
-
-
-def _pairs_pay(cs: Tensor, x: Tensor) -> bool:
-    """Whether the DFT along H of ``x`` runs by pairs of frequencies (``native.dft_pairs_*``):
-    the kernels built here, no gradient, and ``x`` within ``PAIRS_MAX_BYTES``."""
-    return x.numel() * x.element_size() <= PAIRS_MAX_BYTES and native.dft_pairs_available(cs, x)
+        return dft, _dft_product(dft.inv_h, y).view(h, 2 * fw, y.shape[1] // fw)
 
 
 class _RealDFT2(torch.autograd.Function):
@@ -362,11 +345,7 @@ def _forward_along_h(
     h, _, nh, nw = shape
     fw, m = nw // 2 + 1, a.shape[-1]
     with torch.autocast(a.device.type, enabled=False):
-        if _pairs_pay(dft.pairs_fwd, a):
-            spectrum = native.dft_pairs_forward(dft.pairs_fwd, a.view(h, 2, fw * m), nh)
-            spectrum = spectrum.view(2 * nh, fw * m)
-        else:
-            spectrum = _dft_product(dft.fwd_h, a.view(2 * h, fw * m))  # rows (re/im, n)
+        spectrum = _dft_product(dft.fwd_h, a.view(2 * h, fw * m))  # rows (re/im, n)
     return spectrum[:nh].view(nh, fw, m), spectrum[nh:].view(nh, fw, m)
 
 
@@ -521,8 +500,6 @@ class _DFTMatrices:
         if nw % 2 == 0:
             weight[-1] = 1
         scale = 1.0 / (nh * nw)
-        nq = nh // 2 + 1  # frequencies n <= nh/2: with their mirrors nh - n, all of them
-        ang_q = ang_h[:nq]  # [nq, H]
 
         def cast(t: Tensor) -> Tensor:
             return t.to(device=device, dtype=dtype).contiguous()
@@ -542,10 +519,6 @@ class _DFTMatrices:
         rows = torch.stack([torch.cat([ic, -is_], 1), torch.cat([is_, ic], 1)], 1)
         self.inv_h = cast(rows.flatten(0, 1))  # [2H, 2nh]
         self.inv_w = cast(torch.cat([cw.T, -sw.T], 1) * torch.cat([weight, weight]) * scale)
-        # along H by pairs of frequencies (native.dft_pairs_forward / _inverse): cos and sin
-        # of n = 0 .. nh/2 only, [2, nq, H] forward and [2, H, nq] inverse
-        self.pairs_fwd = cast(torch.stack([ang_q.cos(), ang_q.sin()]))
-        self.pairs_inv = cast(torch.stack([ang_q.cos().T, ang_q.sin().T]))
 
     def separate(self) -> dict[str, Tensor]:
         """The eight real matrices the joined ones are made of, each contiguous: cos_h,

@@ -169,9 +169,6 @@ __all__ = [
     "small_gemm_gather",
     "small_gemm_pool_available",
     "small_gemm_pool",
-    "dft_pairs_available",
-    "dft_pairs_forward",
-    "dft_pairs_inverse",
     "TILE",
 ]
 
@@ -283,15 +280,11 @@ def _library() -> ctypes.CDLL | None:
         lib.small_gemm_gather_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 6
         lib.small_gemm_pool_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 6
         lib.small_gemm_pool_scatter_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 7
-        lib.dft_pairs_forward_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 4
-        lib.dft_pairs_inverse_f32.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 4
         for name in (
             "small_gemm",
             "small_gemm_gather",
             "small_gemm_pool",
             "small_gemm_pool_scatter",
-            "dft_pairs_forward",
-            "dft_pairs_inverse",
         ):
             getattr(lib, f"{name}_f32").restype = ctypes.c_int
     if hasattr(lib, "word_rows_product"):  # the portable build (AVX2)
@@ -1022,72 +1015,3 @@ def small_gemm_pool(
     if done:
         raise ValueError(f"no pooled product for {tuple(a.shape)} @ {tuple(b.shape)}")
     return out
-
-
-def dft_pairs_available(cs: Tensor, x: Tensor) -> bool:
-    """Whether ``dft_pairs_forward`` / ``dft_pairs_inverse`` serve the matrices ``cs`` and
-    the maps ``x``: float32 on the CPU, the portable (AVX2) build, no gradient wanted."""
-    lib = _library() if cs.device.type == x.device.type == "cpu" else None
-    return (
-        lib is not None
-        and hasattr(lib, "dft_pairs_forward_f32")
-        and cs.dtype == x.dtype == torch.float32
-        and cs.dim() == 3
-        and cs.shape[0] == 2
-        and not (torch.is_grad_enabled() and (cs.requires_grad or x.requires_grad))
-    )
-
-
-def dft_pairs_forward(cs: Tensor, a: Tensor, nh: int) -> Tensor:
-    """The DFT along H of ``a`` ``[H, 2, L]`` (each row's real parts, then its imaginary
-    parts) on an nh-periodic grid: ``[2, nh, L]`` (Re X rows, then Im X rows), X(n) =
-    sum_j a_j e^{-i 2 pi n j / nh}. ``cs`` ``[2, nh // 2 + 1, H]``: cos and sin of 2 pi n j /
-    nh for the frequencies n <= nh / 2, which give the others (X(nh - n) = C + i S where
-    X(n) = C - i S): half the multiply-adds of the complex GEMM (``kernels._DFTMatrices``)."""
-    h = a.shape[0]
-    if (
-        not dft_pairs_available(cs, a)
-        or a.dim() != 3
-        or a.shape[1] != 2
-        or tuple(cs.shape) != (2, nh // 2 + 1, h)
-    ):
-        raise ValueError(
-            f"float32 cos/sin [2, nh // 2 + 1, H] and maps [H, 2, L] only, not "
-            f"{tuple(cs.shape)} and {a.dtype} {tuple(a.shape)} (nh = {nh})"
-        )
-    cs, a = cs.contiguous(), a.contiguous()
-    out = a.new_empty(2, nh, a.shape[2])
-    threads = max(1, torch.get_num_threads())
-    if _library().dft_pairs_forward_f32(
-        cs.data_ptr(), a.data_ptr(), out.data_ptr(), h, nh, a.shape[2], threads
-    ):
-        raise ValueError(f"no DFT along H for maps {tuple(a.shape)} on {nh} rows")
-    return out
-
-
-def dft_pairs_inverse(cs: Tensor, y: Tensor) -> Tensor:
-    """The first H rows of the inverse DFT along H (no 1/nh) of the spectrum ``y`` ``[2,
-    nh, L]`` (Re Y rows, then Im Y rows): ``[H, 2, L]`` (each row's real parts, then its
-    imaginary parts), z_j = sum_n Y(n) e^{+i 2 pi n j / nh}. ``cs`` ``[2, H, nh // 2 + 1]``:
-    cos and sin of 2 pi n j / nh; each frequency n <= nh / 2 takes the sum and difference
-    of Y(n) and Y(nh - n): half the multiply-adds of the complex GEMM."""
-    nh = y.shape[1] if y.dim() == 3 else -1
-    if (
-        not dft_pairs_available(cs, y)
-        or y.dim() != 3
-        or y.shape[0] != 2
-        or cs.shape[2] != nh // 2 + 1
-    ):
-        raise ValueError(
-            f"float32 cos/sin [2, H, nh // 2 + 1] and a spectrum [2, nh, L] only, not "
-            f"{tuple(cs.shape)} and {y.dtype} {tuple(y.shape)}"
-        )
-    h = cs.shape[1]
-    cs, y = cs.contiguous(), y.contiguous()
-    z = y.new_empty(h, 2, y.shape[2])
-    threads = max(1, torch.get_num_threads())
-    if _library().dft_pairs_inverse_f32(
-        cs.data_ptr(), y.data_ptr(), z.data_ptr(), h, nh, y.shape[2], threads
-    ):
-        raise ValueError(f"no inverse DFT along H for the spectrum {tuple(y.shape)}")
-    return z
