@@ -18,6 +18,7 @@
  * Every kernel hands its work to OpenMP threads in chunks, as the AVX-512 build does
  * (CHUNKS per thread, the dynamic schedule). */
 #include <immintrin.h>
+#include <math.h>
 
 #include "_kernels_common.h"
 
@@ -308,6 +309,159 @@ int word_rows_product(const float *x_re, const float *x_im, const short *g, cons
     for (long c = 0; c < (f + chunk - 1) / chunk; ++c)
       word_rows(x_re, x_im, g, gs, y, c * chunk, c * chunk + chunk < f ? c * chunk + chunk : f,
                 f, m, k, n, (float)levels, xq, (float *)(xq + 2 * m * k));
+  }
+  free(bufs);
+  return 0;
+}
+
+/* ------------------------------------------------- the products on bytes */
+
+/* joined_rows_product with each frequency's rows quantized to 6 bits (values in [-31, 31])
+ * and the spectra to 7 bits ([-63, 63]), stored in bytes: AVX2's byte multiply-add
+ * (vpmaddubsw: 32 products of an unsigned and a signed byte summed in pairs into 16-bit
+ * lanes) takes a row's values offset by 32 (1 .. 63, unsigned), so a pair sums to at most
+ * 2 x 63 x 63 and four of them to 31,752: each k quad's (four pairs') 16-bit sums are exact,
+ * then widened once (vpmaddwd with ones) into 32-bit sums, five multiply instructions per
+ * 128 products where the word form (word_rows_product) takes eight; 98 against 44-47 G
+ * multiply-adds/s per core on Zen 3 (results/bench/peak-bytes-s27.c). Each 32-bit lane of
+ * the spectra holds one column's (Re G_k, Im G_k, Re G_k+1, Im G_k+1); the broadcast row
+ * pattern (Re x_k, -Im x_k, Re x_k+1, -Im x_k+1) + 32 gives the real parts, (Im x_k, Re x_k,
+ * Im x_k+1, Re x_k+1) + 32 the imaginary ones, each plus 32 sum_k (Re G_k + Im G_k), the
+ * column's offset term (native.pack_bytes), taken off the exact 32-bit sum before the
+ * scales (top_x / 31) (top_g / 63) bring it back to float32. */
+#ifndef BGROUP
+#define BGROUP 2 /* rows summed in registers at a time: 4 x 3 sums, 16-bit and 32-bit */
+#endif
+#define BQUAD 4 /* k pairs summed in 16 bits before widening: 4 x 2 x 63 x 63 < 2^15 */
+
+/* one frequency's rows [M, K] as byte patterns in group order: group q (rows r0..r0+g) at
+ * 2 r0 kp as [kp][2g] (the real parts' pattern of each row, then the imaginary parts'), kp
+ * = ceil(K / 2) k pairs (a zero past K); sx[r] the row's scale */
+static void quantize_row_bytes(const float *xr, const float *xi, int *q, float *sx, long m,
+                               long k) {
+  const long kp = (k + 1) / 2;
+  const v8i no_sign = {0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff,
+                       0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff};
+  for (long r = 0; r < m; ++r) {
+    const float *a = xr + r * k, *b = xi + r * k;
+    v8 top8 = {0};
+    for (long i = 0; i < k; i += HALF) {
+      const long width = lanes_left(k, i);
+      top8 = vmax(top8, (v8)((v8i)load8(a + i, width) & no_sign));
+      top8 = vmax(top8, (v8)((v8i)load8(b + i, width) & no_sign));
+    }
+    float top = 0.0f;
+    for (long l = 0; l < HALF; ++l) top = top8[l] > top ? top8[l] : top;
+    const float inv = top > 0.0f ? 31.0f / top : 0.0f;
+    sx[r] = top / 31.0f;
+    const long r0 = r / BGROUP * BGROUP, g = m - r0 < BGROUP ? m - r0 : BGROUP, rr = r - r0;
+    int *qg = q + 2 * r0 * kp;
+    const v8 vinv = {inv, inv, inv, inv, inv, inv, inv, inv};
+    for (long i = 0; i < k; i += HALF) { /* 8 k's: 4 pairs; zeros past K give the byte 32 */
+      const long width = lanes_left(k, i);
+      const v8i qa = (v8i)_mm256_cvtps_epi32((__m256)(load8(a + i, width) * vinv)) + 32;
+      const v8i qb = (v8i)_mm256_cvtps_epi32((__m256)(load8(b + i, width) * vinv));
+      const v8i nb = 32 - qb, pb = qb + 32;
+      const v8i t_re = qa | nb << 8, t_im = pb | qa << 8; /* a k's two bytes, 16 bits */
+      for (long j = 0; j < (width + 1) / 2; ++j) {
+        qg[(i / 2 + j) * 2 * g + rr] = t_re[2 * j] | t_re[2 * j + 1] << 16;
+        qg[(i / 2 + j) * 2 * g + g + rr] = t_im[2 * j] | t_im[2 * j + 1] << 16;
+      }
+    }
+  }
+}
+
+/* acc16 + the byte products of the pattern at p (broadcast) and w; the empty assembly
+ * statement as in word_madd */
+static inline __attribute__((always_inline)) __m256i byte_madd(__m256i acc, const int *p,
+                                                                __m256i w) {
+  __m256i b = _mm256_set1_epi32(*p);
+  __asm__("" : "+x"(b));
+  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(b, w));
+}
+
+/* 8 columns from c0 for rows [r0, r0 + g) of one frequency: xq the group's patterns
+ * ([kp][2g]), gt the column tile's first k pair in g[f, t8, kp, 0:8, 0:4], off the columns'
+ * offset terms */
+static inline __attribute__((always_inline)) void byte_tile(
+    const int *xq, const signed char *gt, const int *off, const float *sx, const float *sg,
+    float *re, float *im, long kp, long n, long c0, long r0, const long g) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i a_re[BGROUP], a_im[BGROUP];
+  for (long r = 0; r < g; ++r) a_re[r] = a_im[r] = _mm256_setzero_si256();
+  for (long p0 = 0; p0 < kp; p0 += BQUAD) {
+    __m256i h_re[BGROUP], h_im[BGROUP];
+    for (long r = 0; r < g; ++r) h_re[r] = h_im[r] = _mm256_setzero_si256();
+    const long p1 = p0 + BQUAD < kp ? p0 + BQUAD : kp;
+    for (long p = p0; p < p1; ++p) {
+      const __m256i w = _mm256_load_si256((const __m256i *)(gt + p * 32));
+      const int *x = xq + p * 2 * g;
+#pragma GCC unroll 3
+      for (long r = 0; r < g; ++r) {
+        h_re[r] = byte_madd(h_re[r], x + r, w);
+        h_im[r] = byte_madd(h_im[r], x + g + r, w);
+      }
+    }
+    for (long r = 0; r < g; ++r) {
+      a_re[r] = _mm256_add_epi32(a_re[r], _mm256_madd_epi16(h_re[r], ones));
+      a_im[r] = _mm256_add_epi32(a_im[r], _mm256_madd_epi16(h_im[r], ones));
+    }
+  }
+  const long width = lanes_left(n, c0);
+  const v8i o = *(const v8iu *)(off + c0);
+  const v8 s_g = *(const v8u *)(sg + c0);
+  for (long r = 0; r < g; ++r) {
+    const v8 s = sx[r0 + r] * s_g; /* one rounding, then one for the product */
+    store8(re + (r0 + r) * n + c0, __builtin_convertvector((v8i)a_re[r] - o, v8) * s, width);
+    store8(im + (r0 + r) * n + c0, __builtin_convertvector((v8i)a_im[r] - o, v8) * s, width);
+  }
+}
+
+static void byte_rows(const float *x_re, const float *x_im, const signed char *g,
+                      const int *off, const float *gs, float *y, long f0, long f1,
+                      long f_total, long m, long k, long n, int *xq, float *sx) {
+  const long kp = (k + 1) / 2, tiles = (n + HALF - 1) / HALF;
+  for (long f = f0; f < f1; ++f) {
+    quantize_row_bytes(x_re + f * m * k, x_im + f * m * k, xq, sx, m, k);
+    float *re = y + f * m * n, *im = y + (f_total + f) * m * n;
+    const float *sg = gs + f * tiles * HALF;
+    const int *of = off + f * tiles * HALF;
+    for (long r0 = 0; r0 < m; r0 += BGROUP) {
+      const long gg = m - r0 < BGROUP ? m - r0 : BGROUP;
+      const int *q = xq + 2 * r0 * kp;
+      for (long t = 0; t < tiles; ++t) {
+        const signed char *gt = g + (f * tiles + t) * kp * 32;
+        switch (gg) {
+#if BGROUP > 2
+        case 3: byte_tile(q, gt, of, sx, sg, re, im, kp, n, t * HALF, r0, 3); break;
+#endif
+        case 2: byte_tile(q, gt, of, sx, sg, re, im, kp, n, t * HALF, r0, 2); break;
+        case 1: byte_tile(q, gt, of, sx, sg, re, im, kp, n, t * HALF, r0, 1); break;
+        }
+      }
+    }
+  }
+}
+
+/* x_re, x_im [F, M, K] float32; g int8 [F, T8, ceil(K/2), 8, 4] (zero past K and column
+ * N, T8 = ceil(N / 8), 32-byte aligned); off int32 [F, T8 * 8] the columns' offset terms;
+ * gs [F, T8 * 8] the columns' scales; y [2, F, M, N] float32. Returns 1 for no rows, 2 out
+ * of memory. */
+int byte_rows_product(const float *x_re, const float *x_im, const signed char *g,
+                      const int *off, const float *gs, float *y, long f, long m, long k,
+                      long n, long threads) {
+  if (m < 1 || k < 1 || n < 1 || threads < 1 || ((unsigned long)g & 31)) return 1;
+  const long kp = (k + 1) / 2, chunk = chunk_size(f, threads), per = 2 * m * kp + m;
+  int *bufs = malloc(sizeof(int) * threads * per);
+  if (!bufs) return 2;
+#pragma omp parallel num_threads(threads)
+  {
+    int *xq = bufs + omp_get_thread_num() * per;
+#pragma omp for schedule(dynamic, 1)
+    for (long c = 0; c < (f + chunk - 1) / chunk; ++c)
+      byte_rows(x_re, x_im, g, off, gs, y, c * chunk,
+                c * chunk + chunk < f ? c * chunk + chunk : f, f, m, k, n, xq,
+                (float *)(xq + 2 * m * kp));
   }
   free(bufs);
   return 0;
