@@ -47,12 +47,10 @@ __all__ = [
     "int8_supported",
     "int16_products",
     "int16_supported",
-    "int6_products",
-    "int6_supported",
     "products",
 ]
 
-PRECISIONS = ("fp32", "bf16", "int8", "int16", "int6")
+PRECISIONS = ("fp32", "bf16", "int8", "int16")
 
 _PRODUCTS = contextvars.ContextVar("rstmodel_products", default="")
 
@@ -71,11 +69,6 @@ def int8_products() -> bool:
 def int16_products() -> bool:
     """Whether the code running now is inside ``inference("int16")``."""
     return _PRODUCTS.get() == "int16"
-
-
-def int6_products() -> bool:
-    """Whether the code running now is inside ``inference("int6")``."""
-    return _PRODUCTS.get() == "int6"
 
 
 def bf16_supported(device: str | torch.device = "cpu") -> bool:
@@ -109,14 +102,6 @@ def int16_supported(device: str | torch.device = "cpu") -> bool:
     return torch.device(device).type == "cpu" and native.word_rows_built()
 
 
-def int6_supported(device: str | torch.device = "cpu") -> bool:
-    """Whether ``device`` runs ``inference("int6")``: where ``int16_supported`` (the
-    portable AVX2 build of the kernels, whose byte products come with it)."""
-    from rstmodel.layers import native
-
-    return torch.device(device).type == "cpu" and native.byte_rows_built()
-
-
 @contextlib.contextmanager
 def inference(precision: str = "fp32", device: str | torch.device = "cpu") -> Iterator[None]:
     """No-gradient inference at ``precision`` (``PRECISIONS``) on ``device``: ``fp32`` is
@@ -141,12 +126,7 @@ def inference(precision: str = "fp32", device: str | torch.device = "cpu") -> It
             f"{device.type} here cannot run int16 products (a CPU with AVX2 but no AVX-512, "
             "and a C compiler): use precision 'fp32'"
         )
-    if precision == "int6" and not int6_supported(device):
-        raise ValueError(
-            f"{device.type} here cannot run int6 products (a CPU with AVX2 but no AVX-512, "
-            "and a C compiler): use precision 'fp32'"
-        )
-    token = _PRODUCTS.set(precision if precision in ("int8", "int16", "int6") else "")
+    token = _PRODUCTS.set(precision if precision in ("int8", "int16") else "")
     try:
         with (
             torch.inference_mode(),

@@ -153,14 +153,6 @@ __all__ = [
     "word_rows_built",
     "word_rows_product",
     "word_rows_reference",
-    "BYTE_ROW_LEVELS",
-    "BYTE_SPECTRUM_LEVELS",
-    "ByteSpectra",
-    "pack_bytes",
-    "byte_rows_available",
-    "byte_rows_built",
-    "byte_rows_product",
-    "byte_rows_reference",
     "pooled_mix_available",
     "pooled_mix",
     "pooled_mix_train_available",
@@ -298,8 +290,6 @@ def _library() -> ctypes.CDLL | None:
     if hasattr(lib, "word_rows_product"):  # the portable build (AVX2)
         lib.word_rows_product.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 6
         lib.word_rows_product.restype = ctypes.c_int
-        lib.byte_rows_product.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_long] * 5
-        lib.byte_rows_product.restype = ctypes.c_int
     if hasattr(lib, "paired_rows_product"):  # built where the CPU has AVX512-BF16
         fn = lib.paired_rows_product
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 5
@@ -524,24 +514,15 @@ def quad_rows_reference(
     return _with_bias(y, bias, dc_rows, dc_scale)
 
 
-def _integer_product(
-    x_re: Tensor,
-    x_im: Tensor,
-    g_re: Tensor,
-    g_im: Tensor,
-    levels: int,
-    spectrum_levels: int | None = None,
-) -> Tensor:
+def _integer_product(x_re: Tensor, x_im: Tensor, g_re: Tensor, g_im: Tensor, levels: int) -> Tensor:
     """The integer kernels' complex products in torch: each frequency's rows ``[F, M, K]``
-    quantized to ``levels`` over their largest part, the spectra ``[F, K, N]`` per column
-    (to ``spectrum_levels``, default ``levels``), the integer products summed in float64
-    (exact), scaled back in float32 with the scale product rounded once, as the kernels do:
-    ``[Re y; Im y]`` ``[2, F, M, N]`` float32."""
-    glevels = levels if spectrum_levels is None else spectrum_levels
+    quantized to ``levels`` over their largest part, the spectra ``[F, K, N]`` per column,
+    the integer products summed in float64 (exact), scaled back in float32 with the scale
+    product rounded once, as the kernels do: ``[Re y; Im y]`` ``[2, F, M, N]`` float32."""
     top = torch.maximum(x_re.abs(), x_im.abs()).amax(2, keepdim=True)  # [F, M, 1]
     (q_re, sx), (q_im, _) = _quantize(x_re, top, levels), _quantize(x_im, top, levels)
     gtop = torch.maximum(g_re.abs(), g_im.abs()).amax(1, keepdim=True)
-    (w_re, sg), (w_im, _) = _quantize(g_re, gtop, glevels), _quantize(g_im, gtop, glevels)
+    (w_re, sg), (w_im, _) = _quantize(g_re, gtop, levels), _quantize(g_im, gtop, levels)
     q_re, q_im, w_re, w_im = (t.double() for t in (q_re, q_im, w_re, w_im))
     s = sx * sg  # [F, M, N] float32, one rounding as the kernels'
     return torch.stack(
@@ -650,103 +631,6 @@ def word_rows_reference(
     """What ``word_rows_product`` computes (on ``pack_words(g_re, g_im)``), in torch: the
     integer products summed in float64 (exact), the same scalings and roundings."""
     y = _integer_product(x_re, x_im, g_re, g_im, word_levels(x_re.shape[-1]))
-    return _with_bias(y, bias, dc_rows, dc_scale)
-
-
-# the byte products' ranges: rows in [-31, 31] (offset by 32 into an unsigned byte) and
-# spectra in [-63, 63], so four k pairs' byte products sum exactly in 16 bits
-BYTE_ROW_LEVELS, BYTE_SPECTRUM_LEVELS = 31, 63
-
-
-class ByteSpectra(NamedTuple):
-    """Filter spectra as ``byte_rows_product`` reads them (``pack_bytes``)."""
-
-    g: Tensor  # int8 [F, T8, ceil(K/2), 8, 4]: per column (Re G_k, Im G_k, Re G_k+1, Im G_k+1)
-    offset: Tensor  # int32 [F, T8*8]: 32 sum_k (Re G_k + Im G_k), the rows' offset's term
-    scale: Tensor  # float32 [F, T8*8]: each column's scale (zero past N)
-
-
-def pack_bytes(g_re: Tensor, g_im: Tensor) -> ByteSpectra:
-    """Filter spectra ``[F, K, N]`` (float32) quantized to ``BYTE_SPECTRUM_LEVELS`` per
-    frequency and column (over the K input columns, real and imaginary parts together) and
-    packed as ``byte_rows_product`` reads them: 8 columns per tile, each column's 32-bit
-    lane holding two k's (Re G, Im G), zeros past K and N."""
-    f, k, n = g_re.shape
-    tiles, pairs = -(-n // 8), -(-k // 2)
-    top = torch.maximum(g_re.abs(), g_im.abs()).amax(1, keepdim=True)  # [F, 1, N]
-    levels = BYTE_SPECTRUM_LEVELS
-    (q_re, scale), (q_im, _) = _quantize(g_re, top, levels), _quantize(g_im, top, levels)
-    q = torch.zeros(f, 2 * pairs, tiles * 8, 2, dtype=torch.int8, device=g_re.device)
-    q[:, :k, :n, 0] = q_re.to(torch.int8)
-    q[:, :k, :n, 1] = q_im.to(torch.int8)
-    # [F, KP, 2 (k in pair), T8, 8, 2 (re/im)] -> [F, T8, KP, 8, 2 (k), 2 (re/im)]
-    packed = q.view(f, pairs, 2, tiles, 8, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
-    offset = torch.zeros(f, tiles * 8, dtype=torch.int32, device=g_re.device)
-    offset[:, :n] = (32 * (q_re + q_im).sum(1)).to(torch.int32)
-    scales = torch.zeros(f, tiles * 8, dtype=torch.float32, device=g_re.device)
-    scales[:, :n] = scale[:, 0]
-    return ByteSpectra(packed.view(f, tiles, pairs, 8, 4), offset, scales)
-
-
-def byte_rows_built() -> bool:
-    """Whether the kernels here were built with ``byte_rows_product`` (the portable AVX2
-    build)."""
-    lib = _library()
-    return lib is not None and hasattr(lib, "byte_rows_product")
-
-
-def byte_rows_available(x_re: Tensor, x_im: Tensor) -> bool:
-    """Whether ``byte_rows_product`` serves these row blocks: float32 eval on the CPU inside
-    ``rstmodel.precision.inference("int6")`` and the kernel built."""
-    return _precision.int6_products() and available(x_re, x_im) and byte_rows_built()
-
-
-def byte_rows_product(
-    x_re: Tensor,
-    x_im: Tensor,
-    spectra: ByteSpectra,
-    n: int,
-    bias: Tensor | None = None,
-    dc_rows: int = 0,
-    dc_scale: float = 1.0,
-) -> Tensor:
-    """``joined_rows_product`` on bytes: each frequency's rows ``x [F, M, K]`` (float32)
-    quantized per row to ``BYTE_ROW_LEVELS`` (over ``|Re x|, |Im x|``), the spectra as
-    ``pack_bytes`` quantized them, the complex products summed exactly (16 bits for four k
-    pairs, then 32) and scaled back: ``[Re y; Im y]`` ``[2, F, M, N]`` float32, the bias
-    added as there. ``byte_rows_reference`` computes the same values with torch."""
-    f, m, k = x_re.shape
-    tiles, pairs = -(-n // 8), -(-k // 2)
-    if spectra.g.shape != (f, tiles, pairs, 8, 4) or not spectra.g.is_contiguous():
-        raise ValueError(f"spectra {tuple(spectra.g.shape)} are not bytes for {f} x {k} x {n}")
-    if x_re.dtype != torch.float32 or x_im.dtype != torch.float32:
-        raise ValueError(f"float32 rows only, not {x_re.dtype}")
-    if spectra.g.data_ptr() % 32:
-        raise ValueError("the byte spectra must start on a 32-byte boundary (pack_bytes')")
-    x_re, x_im = x_re.contiguous(), x_im.contiguous()
-    y = x_re.new_empty(2, f, m, n)
-    threads = max(1, torch.get_num_threads())
-    parts = (x_re, x_im, spectra.g, spectra.offset, spectra.scale, y)
-    err = _library().byte_rows_product(*(t.data_ptr() for t in parts), f, m, k, n, threads)
-    if err:
-        raise ValueError(
-            {1: f"the kernel takes at least one row, not {m}"}.get(err, "out of memory")
-        )
-    return _with_bias(y, bias, dc_rows, dc_scale)
-
-
-def byte_rows_reference(
-    x_re: Tensor,
-    x_im: Tensor,
-    g_re: Tensor,
-    g_im: Tensor,
-    bias: Tensor | None = None,
-    dc_rows: int = 0,
-    dc_scale: float = 1.0,
-) -> Tensor:
-    """What ``byte_rows_product`` computes (on ``pack_bytes(g_re, g_im)``), in torch: the
-    integer products summed in float64 (exact), the same scalings and roundings."""
-    y = _integer_product(x_re, x_im, g_re, g_im, BYTE_ROW_LEVELS, BYTE_SPECTRUM_LEVELS)
     return _with_bias(y, bias, dc_rows, dc_scale)
 
 
