@@ -13,7 +13,6 @@ matrices), on a CPU with the portable (AVX2) build; runs at the commit that buil
 
 import functools
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,14 +29,9 @@ from rstmodel.precision import inference  # noqa: E402
 SHAPES = [(28, 30, 4416), (28, 35, 4416), (14, 21, 8640), (28, 35, 12144), (28, 35, 552)]
 
 
-def median(fn, reps: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[reps // 2]
+def median(fn) -> float:
+    """One warm-up, then the median of 7 runs (``alternate_s13.run`` with one form)."""
+    return run({"form": fn})["form"]
 
 
 def kernels_alone() -> None:
