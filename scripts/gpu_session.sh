@@ -53,8 +53,9 @@ RESULTS="${RESULTS:-results/reproduce/rs-fashion-$REPRO_BUDGET}"
 # the fast path, so it only times bf16)
 SHARDS="${SHARDS:-rot_cnn@0-0 rot_cnn@1-1 rot_cnn@2-2 rst_cnn_fb@1-1 rst_cnn_fb@2-2}"
 # train/fastpath.py's names, ';'-separated: bf16 with the fast paths' fused Triton kernels
-# and with the torch operators they replace (the faster one trains the shards below)
-FASTPATH_SETTINGS="${FASTPATH_SETTINGS:-bf16;bf16 torch}"
+# and with the torch operators they replace (the faster one trains the shards below);
+# empty: no fast-path run (a later call of a window that measured it: shards only)
+FASTPATH_SETTINGS="${FASTPATH_SETTINGS-bf16;bf16 torch}"
 # e.g. "--profile --compile --align-probe" (the compile alone can take minutes)
 # (default: the profile, so that the fused kernels' own times come back in profile.md)
 FASTPATH_ARGS="${FASTPATH_ARGS---profile}"
@@ -133,17 +134,20 @@ load_rs(RSConfig('rs-fashion', realisation=$r), data_root=sys.argv[1])
 " "$DATA_ROOT" >"$WORK/logs/prepare-$r.log" 2>&1 &
 done
 
-# 2. the fast path, profile and compile, alone on the device
+# 2. the fast path, profile and compile, alone on the device (FASTPATH_SETTINGS empty: none
+#    of 2., a call that only runs shards)
 IFS=';' read -ra settings <<<"$FASTPATH_SETTINGS"
-# shellcheck disable=SC2086
-timeout "$FASTPATH_TIMEOUT" "$PY" train/fastpath.py --device "$DEVICE" --out "$WORK/fastpath" \
-    --settings "${settings[@]}" $FASTPATH_ARGS \
-    >"$WORK/logs/fastpath.log" 2>&1 || log "fastpath exit $?"
-FLAGS=$(sed -n 's/^FLAGS: //p' "$WORK/logs/fastpath.log" | tail -1)
+if ((${#settings[@]})); then
+    # shellcheck disable=SC2086
+    timeout "$FASTPATH_TIMEOUT" "$PY" train/fastpath.py --device "$DEVICE" --out "$WORK/fastpath" \
+        --settings "${settings[@]}" $FASTPATH_ARGS \
+        >"$WORK/logs/fastpath.log" 2>&1 || log "fastpath exit $?"
+fi
+FLAGS=$(sed -n 's/^FLAGS: //p' "$WORK/logs/fastpath.log" 2>/dev/null | tail -1)
 # the environment the fastest setting needs (RSTCNN_KERNELS=torch where torch's operators
 # beat the fused Triton kernels, or where a kernel failed); without a verdict from the fast
 # path, torch's operators, as measured in earlier windows
-if grep -q '^ENV:' "$WORK/logs/fastpath.log"; then
+if grep -qs '^ENV:' "$WORK/logs/fastpath.log"; then
     for kv in $(sed -n 's/^ENV: //p' "$WORK/logs/fastpath.log" | tail -1); do export "${kv?}"; done
 else
     export RSTCNN_KERNELS=torch
@@ -154,7 +158,7 @@ if [[ -n "$STEP_COST_ARGS" ]]; then
     measured=$("$PY" -c '
 import json, sys
 rows = [r for r in json.load(open(sys.argv[1])) if r["model"] != "cnn" and r["setting"] == sys.argv[2]]
-print("%.2f" % (rows[0]["train_s"] * 1e3) if rows else "")' "$WORK/fastpath/fastpath.json" "${settings[0]}" 2>/dev/null)
+print("%.2f" % (rows[0]["train_s"] * 1e3) if rows else "")' "$WORK/fastpath/fastpath.json" "${settings[0]-}" 2>/dev/null)
     # shellcheck disable=SC2086
     timeout "$FASTPATH_TIMEOUT" "$PY" train/step_cost.py --device "$DEVICE" $STEP_COST_ARGS \
         ${measured:+--measured-ms "$measured"} --out "$WORK/fastpath/step-cost.md" \
@@ -166,7 +170,7 @@ if [[ -n "$KERNEL_PROBE_ARGS" ]]; then
     timeout "$FASTPATH_TIMEOUT" "$PY" train/kernel_probe.py --device "$DEVICE" $KERNEL_PROBE_ARGS \
         --out "$WORK/fastpath/kernels.md" >"$WORK/logs/kernel-probe.log" 2>&1 || log "kernel_probe exit $?"
 fi
-if [[ -n "$FASTPATH_ALIGNED" ]]; then
+if [[ -n "$FASTPATH_ALIGNED" ]] && ((${#settings[@]})); then
     aligned_args="${FASTPATH_ARGS//--profile/}" aligned_args="${aligned_args//--compile/}"
     # shellcheck disable=SC2086
     timeout "$FASTPATH_TIMEOUT" "$PY" train/fastpath.py --device "$DEVICE" \

@@ -328,12 +328,22 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source, pipelines_run):
         (resume / "rs-fashion" / "smoke" / name / "summary.json").unlink()
     shutil.rmtree(record / "runs" / "rst_cnn_fb-64-t0")
     shutil.rmtree(work)
+    # a call that only runs shards: every measurement of the first call off
+    off = ("FASTPATH_SETTINGS", "STEP_COST_ARGS", "KERNEL_PROBE_ARGS", "K_SWEEP")
     stdout = session(
         SHARDS="rst_cnn_fb@1",
         RESUME=str(resume),
         SPLIT_CHECKPOINT="",  # off
-        FASTPATH_ARGS=settings["FASTPATH_ARGS"].replace(" --profile", ""),
+        KERNEL_CHECK_LIMIT="",
+        **dict.fromkeys(off, ""),
     )
+    assert sorted(p.name for p in (work / "logs").iterdir()) == [
+        "prepare-0.log",
+        "prepare-1.log",
+        "prepare-2.log",
+        "reproduce-rst_cnn_fb-1.log",
+        "session.log",
+    ]
     assert "resuming" in (work / "logs" / "reproduce-rst_cnn_fb-1.log").read_text().lower()
     summary = json.loads((record / "runs" / "rst_cnn_fb-64-t0" / "summary.json").read_text())
     assert summary["epochs"] == 1 and summary["train_images"] == 64
