@@ -11,9 +11,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-# Two threads for the two cores; RST_TEST_THREADS=1 avoids thread thrashing when another
-# process keeps one core busy (tiny float64 convs then run 10-100x faster).
-torch.set_num_threads(int(os.environ.get("RST_TEST_THREADS", "2")))
+# Each pytest process its share of the cores (scripts/test.sh runs one per core, up to 4:
+# pytest-xdist); alone, two threads for the project's two cores. RST_TEST_THREADS=1 avoids
+# thread thrashing when another process keeps a core busy (tiny float64 convs then run
+# 10-100x faster).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+_THREADS = max(1, (os.cpu_count() or 1) // _WORKERS) if _WORKERS else 2
+torch.set_num_threads(int(os.environ.get("RST_TEST_THREADS", _THREADS)))
 
 settings.register_profile(
     "rst",
