@@ -169,3 +169,30 @@ def test_release_free_memory_purges_what_a_retaining_jemalloc_keeps():
         assert released == str(expect_release)
         if expect_release:  # the 256 MiB jemalloc kept after the free went back
             assert int(dropped_kib) > 200 * 1024
+
+
+@glibc_only
+@pytest.mark.parametrize(
+    "script, heavy",
+    [("train/run.py", "torch"), ("export/to_onnx.py", "torch"), ("serve/app.py", "gradio")],
+)
+def test_a_command_re_executes_before_its_heavy_imports(script, heavy):
+    """A command run as a script (as ``rstcnn.cli``'s console commands do) re-executes with
+    the retaining heap before its heavy imports: -X importtime, which the re-exec keeps,
+    logs the launcher's imports in both processes and torch's (the app: gradio's; it
+    imports no torch) in the second only."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "RSTCNN_ALLOCATOR")}
+    env["RSTCNN_ALLOCATOR"] = "hugepages"
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", script, "--help"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0 and "usage:" in out.stdout, out.stderr[-2000:]
+    imported = [line.split("|")[-1].strip() for line in out.stderr.splitlines()]
+    assert imported.count("rstcnn.cli") == 2  # the first process, then the re-executed one
+    assert imported.count(heavy) == 1

@@ -29,7 +29,13 @@ within ``GATE_POINTS`` of it on the same test images. A corrupt, foreign or miss
 checkpoint, or data that is not prepared, exits with 2 and a one-line message.
 """
 
+# ruff: noqa: E402  (as a script it re-executes before its imports: rstcnn.cli)
 from __future__ import annotations
+
+if __name__ == "__main__":  # re-exec with the retaining heap, then run as rstcnn.export.to_onnx
+    from rstcnn.cli import export
+
+    export()
 
 import argparse
 import logging
@@ -50,10 +56,9 @@ from rstcnn.export.onnx_export import (
     onnx_metadata,
 )
 from rstcnn.export.precision import GATE_POINTS, PRECISIONS, convert, gate, record_gate
-from rstcnn.train.runtime import use_retaining_allocator
 from rstmodel.checkpoint import CheckpointMeta, load_checkpoint
 
-__all__ = ["main", "cli"]
+__all__ = ["main"]
 
 EXIT_CHECK, EXIT_SETUP = 1, 2
 
@@ -171,13 +176,3 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if reduced:
             fp32.unlink(missing_ok=True)
-
-
-def cli() -> int:
-    """The ``rstcnn-export`` command (and ``python export/to_onnx.py``)."""
-    use_retaining_allocator()  # RSTCNN_ALLOCATOR (default: jemalloc): re-exec once
-    return main()
-
-
-if __name__ == "__main__":
-    sys.exit(cli())

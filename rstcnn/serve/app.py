@@ -16,6 +16,11 @@ clients, oversized bodies and full queues are refused (``serve.guards``).
 # ruff: noqa: E402  (Gradio reads its settings from the environment when it is imported)
 from __future__ import annotations
 
+if __name__ == "__main__":  # re-exec with the retaining heap, then run as rstcnn.serve.app
+    from rstcnn.cli import serve
+
+    serve()
+
 import os
 
 os.environ["GRADIO_ANALYTICS_ENABLED"] = "False"  # before gradio is imported
@@ -782,18 +787,3 @@ def main(argv: Sequence[str] | None = None) -> None:
     warm_gallery(app)
     log.info("serving on http://%s:%d (API docs at /docs)", args.host, args.port)
     uvicorn.Server(server_config(app, host=args.host, port=args.port, log_level="warning")).run()
-
-
-def cli() -> None:
-    """The ``rstcnn-serve`` command (and ``python serve/app.py``)."""
-    from rstcnn.train.runtime import JEMALLOC_CONF, use_retaining_allocator  # stdlib only
-
-    # a retaining heap (RSTCNN_ALLOCATOR, default jemalloc as every CLI's; re-exec once): a server's
-    # working set is one sweep's, and a sweep that reuses its memory instead of faulting in
-    # fresh pages is ~1.2x faster (BENCHMARKS.md); glibc's huge-page tunable without jemalloc
-    use_retaining_allocator(default="jemalloc", jemalloc_conf=JEMALLOC_CONF + ",narenas:2")
-    main()
-
-
-if __name__ == "__main__":
-    cli()

@@ -32,11 +32,16 @@ divide); DDP averages the gradients. Validation and test accuracy cover the whol
 same files as one process) and shows progress; --resume loads last.pt on every rank.
 """
 
+# ruff: noqa: E402  (as a script it re-executes before its imports: rstcnn.cli)
 from __future__ import annotations
+
+if __name__ == "__main__":  # re-exec with the retaining heap, then run as rstcnn.train.run
+    from rstcnn.cli import train
+
+    train()
 
 import argparse
 import logging
-import os
 import shlex
 import sys
 from pathlib import Path
@@ -56,7 +61,6 @@ from rstcnn.train.engine import (
     run_trials,
     setup_cli,
 )
-from rstcnn.train.runtime import use_retaining_allocator
 from rstmodel import list_models
 from rstmodel.data import NUM_VAL, RESAMPLINGS, RSDataset
 
@@ -212,14 +216,3 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"test accuracy: {100 * accuracies[0]:.2f} %  ({args.out / 'summary.json'})")
     return 0
-
-
-def cli() -> int:
-    """The ``rstcnn-train`` command (and ``python train/run.py``)."""
-    if "WORLD_SIZE" not in os.environ:  # not under torchrun, whose agent watches this process
-        use_retaining_allocator()  # RSTCNN_ALLOCATOR: re-exec once (train.runtime)
-    return main()
-
-
-if __name__ == "__main__":
-    sys.exit(cli())
