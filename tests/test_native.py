@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -82,7 +86,8 @@ def test_the_kernel_is_built_once_and_only_where_it_can_be(tmp_path, monkeypatch
         stamp = built.stat().st_mtime_ns
         native._library.cache_clear()
         assert native._library() is not None and built.stat().st_mtime_ns == stamp
-        assert list((tmp_path / "cache").glob("*")) == [built]
+        lock = f".{built.name}.lock"  # held while a process builds (the test below)
+        assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [lock, built.name]
 
         header = tmp_path / "common.h"  # an edit to the shared header builds anew
         header.write_text(native.HEADER.read_text() + "/* edited */\n")
@@ -441,6 +446,31 @@ def test_the_fft_path_takes_the_int16_kernel_only_in_int16_inference(batch):
     err = (quant - exact).abs().max() / exact.abs().max()
     assert 0 < err < 3e-3
     assert not native.word_rows_available(x[0, :, 0], x[0, :, 0])
+
+
+@pytest.mark.skipif(native._library() is None, reason="no kernel on this machine")
+def test_processes_starting_at_once_build_the_kernel_once(tmp_path):
+    """Two processes that find no kernel at the same moment: one compiles it, the other
+    waits for it and loads the same file (a file renamed over one a process had loaded
+    would leave that process mapping a deleted copy)."""
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.DEBUG, format='%(message)s'); "
+        "from rstmodel.layers import native; lib = native._library(); "
+        "maps = [m for m in open('/proc/self/maps') if lib._name in m]; "
+        "print(bool(maps) and not any(m.strip().endswith('(deleted)') for m in maps))"
+    )
+    env = {**os.environ, "RSTMODEL_CACHE": str(tmp_path / "cache")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [out.decode().strip() for out, _ in outs] == ["True", "True"]
+    assert sum(err.decode().count("compiling _joined_rows") for _, err in outs) == 1, outs
+    assert len(list((tmp_path / "cache").glob("joined_rows-*.so"))) == 1
 
 
 def test_the_kernel_shares_torchs_openmp_runtime():

@@ -218,6 +218,28 @@ def build_name() -> str:
     return "AVX-512 kernels" if _source() == SOURCE else "AVX2 kernels"
 
 
+def _build(compiler: str, source: Path, target: Path) -> bool:
+    """Compile ``source`` to ``target`` (written whole, then renamed into place); False, with
+    the compiler's last line logged, where it does not compile."""
+    log.debug("compiling %s -> %s", source.name, target)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        done = subprocess.run(
+            [compiler, *FLAGS, "-o", str(out), str(source)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if done.returncode:
+            log.info(
+                "the FFT path's few-row kernel did not compile (%s); torch.bmm serves",
+                done.stderr.strip().splitlines()[-1:] or done.returncode,
+            )
+            return False
+        os.replace(out, target)
+    return True
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """The compiled kernel, or None (with the reason logged) where it cannot be had."""
@@ -225,6 +247,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     if not sys.platform.startswith("linux"):
         return None
+    import fcntl  # POSIX only, as is what follows
+
     source = _source()
     if source is None:
         log.info("no AVX2 or AVX-512 here: the FFT path's few-row products stay on torch.bmm")
@@ -239,27 +263,17 @@ def _library() -> ctypes.CDLL | None:
     ).hexdigest()[:16]
     target = _cache_dir() / f"joined_rows-{key}.so"
     with _lock:
-        if not target.exists():
-            try:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                    out = Path(tmp) / target.name
-                    done = subprocess.run(
-                        [compiler, *FLAGS, "-o", str(out), str(source)],
-                        capture_output=True,
-                        text=True,
-                        timeout=120,
-                    )
-                    if done.returncode:
-                        log.info(
-                            "the FFT path's few-row kernel did not compile (%s); torch.bmm serves",
-                            done.stderr.strip().splitlines()[-1:] or done.returncode,
-                        )
-                        return None
-                    os.replace(out, target)  # atomic: a concurrent process sees all or nothing
-            except (OSError, subprocess.SubprocessError) as err:
-                log.info("could not build %s (%s); torch.bmm serves", target, err)
-                return None
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # one build however many processes start at once: the others wait, then load it
+            # (a file replaced under a process that had loaded it would be mapped twice)
+            with open(target.parent / f".{target.name}.lock", "w") as held:
+                fcntl.flock(held, fcntl.LOCK_EX)
+                if not target.exists() and not _build(compiler, source, target):
+                    return None
+        except (OSError, subprocess.SubprocessError) as err:
+            log.info("could not build %s (%s); torch.bmm serves", target, err)
+            return None
         lib = ctypes.CDLL(str(target))
     fn = lib.joined_rows_product
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_long] * 5
