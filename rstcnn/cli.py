@@ -26,6 +26,6 @@ def export() -> None:
 def serve() -> None:
     """``rstcnn-serve`` (and ``python serve/app.py``): a server's working set is one sweep's,
     and a sweep that reuses its memory instead of faulting in fresh pages is ~1.2x faster
-    (BENCHMARKS.md); jemalloc with two arenas, as many as the cores (the app gives back what
-    it keeps after start-up and after its gallery sweeps: ``serve.memory``)."""
+    (BENCHMARKS.md); jemalloc with two arenas, as glibc was told before it (the app gives
+    back what it keeps after start-up and after its gallery sweeps: ``serve.memory``)."""
     run_main("rstcnn.serve.app", jemalloc_conf=JEMALLOC_CONF + ",narenas:2")
