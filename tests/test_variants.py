@@ -148,3 +148,17 @@ def test_a_file_only_a_little_faster_alone_does_not_take_the_single_images():
     kept, lines = fastest_variants([close, wide], batch=16, repeats=1)
     assert kept == [wide]
     assert any(line.startswith("m (close.file)") and line.endswith(", slower") for line in lines)
+
+
+def test_a_copy_far_slower_at_its_first_run_is_not_timed_again():
+    """Each copy warms up and runs once at each batch; only those within CONTENDER_MARGIN of
+    the fastest first run make up the rest of ``repeats`` (the start-up's time)."""
+    calls: list = []
+    quick = timed_fake("quick", 0.010, 0.001, calls)  # 16 images: 26 ms; one: 11 ms
+    slow = timed_fake("slow", 0.040, 0.004, calls)  # 16 images: 104 ms (4x); one: 44 ms
+    near = timed_fake("near", 0.012, 0.001, calls)  # 16 images: 28 ms; one: 13 ms
+    kept, lines = fastest_variants([slow, quick, near], batch=16, repeats=3)
+    assert kept == [quick]
+    for name, runs in (("quick", 4), ("near", 4), ("slow", 2)):  # warm-up + 3, warm-up + 1
+        assert calls.count((name, 16)) == runs and calls.count((name, 1)) == runs, calls
+    assert any(line.startswith("m (slow.file)") and line.endswith(", slower") for line in lines)
