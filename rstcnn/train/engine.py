@@ -59,6 +59,7 @@ from rstmodel.data import (
     ood_parameters,
     stl10_train_transform,
 )
+from rstmodel.precision import bf16_supported
 
 try:
     import fcntl
@@ -1063,7 +1064,13 @@ def run_trials(
     procs.on_main(check_folders)
     log.info("device: %s", describe_device(device))
     on_jemalloc = "jemalloc" in os.environ.get("LD_PRELOAD", "")
-    if args.bf16 and device.type == "cpu" and not on_jemalloc:
+    if args.bf16 and device.type == "cpu" and not bf16_supported(device):
+        log.warning(
+            "this CPU has no native bfloat16 (AVX512-BF16 or AMX): --bf16 is emulated here, "
+            "14x slower than float32 for the rst_cnn_fb training step on an AVX2 CPU "
+            "(BENCHMARKS.md); drop --bf16 unless you want bfloat16's rounding itself"
+        )
+    elif args.bf16 and device.type == "cpu" and not on_jemalloc:
         log.info(
             "tip: on jemalloc (RSTCNN_ALLOCATOR=jemalloc, the default of train/run.py where "
             "libjemalloc2 is installed) --bf16 made the rst_cnn_fb step 2.7x faster at "
