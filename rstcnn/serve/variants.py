@@ -8,10 +8,14 @@ reduced-precision file without a passing gate is left out, with a log line sayin
 
 Files of the same checkpoint (the same ``rstcnn.checkpoint_sha256``) compete: each runs one
 image (a classification) and the batch a stability request sends it (all sweep steps at
-once), once to warm up and then ``repeats`` times each, except that a file whose first timed
-run is ``CONTENDER_MARGIN`` (1.5x) slower than the fastest first run stops there (it cannot
-win within start-up noise; on this project's AVX2 CPU the int8 file's sweep batch costs
-~9 s a run, against ~2 s for the eager engine). The one with the smallest median
+once), once to warm up and then ``repeats`` times each. Before the sweep's batch each runs
+a screening batch of ``sqrt(batch)`` images once (after a warm-up), and a file
+``CONTENDER_MARGIN`` (1.5x) slower there than the fastest is not run at the sweep's batch:
+it cannot win within start-up noise (the eager engine's time per image falls by ~10 % from
+6 images to 43, a file's not at all), and on this project's AVX2 CPU the int8 file's sweep
+batch costs ~9 s a run against ~2 s for the eager engine. Where one file is left, it is
+served without the sweep's batch (the start-up's longest wait); among several, one whose
+first timed run there is again 1.5x slower stops there. The one with the smallest median
 time at the sweep's batch is served; when another is faster at one image by more than
 ``ROUTE_MARGIN`` (1.25x), the two are served together (``routed``): calls of up to
 ``sqrt(batch)`` images go to the one-image winner, larger ones to the sweep's. (On this
@@ -44,8 +48,9 @@ __all__ = ["ROUTE_MARGIN", "CONTENDER_MARGIN", "servable", "fastest_variants", "
 # eager bf16's 97 ms routed classifications to the file and served 9.7 req/s, against 24.8
 # when eager took them (BENCHMARKS.md, "Issue 13, tenth session").
 ROUTE_MARGIN = 1.25
-# A copy whose first timed run is this much slower than the fastest copy's first run is not
-# timed again: start-up timings move by 10-20 %, so it cannot be the faster one.
+# A copy this much slower than the fastest at the screening batch (sqrt of the sweep's) is not
+# run at the sweep's batch, nor one whose first timed run there is this much slower than the
+# fastest first run: start-up timings move by 10-20 %, so it cannot be the faster one.
 CONTENDER_MARGIN = 1.5
 
 log = logging.getLogger("serve.variants")
@@ -126,8 +131,11 @@ def fastest_variants(
         if len(allowed) == 1:
             kept.append(allowed[0])
             continue
-        times, ones = _seconds(allowed, batch, repeats), _seconds(allowed, 1, repeats)
-        best = min(allowed, key=lambda c: times[id(c)])
+        screen, ones = _seconds(allowed, _small(batch), 1), _seconds(allowed, 1, repeats)
+        fastest = min(screen.values())
+        contenders = [c for c in allowed if screen[id(c)] <= CONTENDER_MARGIN * fastest]
+        times = _seconds(contenders, batch, repeats) if len(contenders) > 1 else {}
+        best = min(contenders, key=lambda c: times.get(id(c), 0.0))
         best_one = min(allowed, key=lambda c: ones[id(c)])
         if ones[id(best_one)] * ROUTE_MARGIN > ones[id(best)]:
             best_one = best  # not clearly faster alone: the sweep's winner takes every call
@@ -135,9 +143,12 @@ def fastest_variants(
             verdict = "served" if clf is best else "slower"
             if clf is best_one and best_one is not best:
                 verdict = f"served for up to {_small(batch)} images"
+            swept = (
+                f", {times[id(clf)] * 1e3:.1f} ms per batch of {batch}" if id(clf) in times else ""
+            )
             lines.append(
-                f"{_label(clf)}: {servable(clf)[1]}, {times[id(clf)] * 1e3:.1f} ms per batch of "
-                f"{batch}, {ones[id(clf)] * 1e3:.1f} ms per image alone, {verdict}"
+                f"{_label(clf)}: {servable(clf)[1]}, {screen[id(clf)] * 1e3:.1f} ms per batch of "
+                f"{_small(batch)}{swept}, {ones[id(clf)] * 1e3:.1f} ms per image alone, {verdict}"
             )
         kept.append(best if best_one is best else routed(best_one, best, _small(batch)))
     for line in lines:
