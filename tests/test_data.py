@@ -762,6 +762,32 @@ def test_stl10_reader_and_transforms(tmp_path):
     torch.testing.assert_close(turned, expected)
 
 
+def test_every_command_takes_the_stl10_folder_by_the_flag_its_error_names(tmp_path, capsys):
+    """The missing-folder error names --stl10-root, and train/prepare_data.py takes it as
+    train/run.py and export/to_onnx.py do (--data-root is still read there)."""
+    from rstcnn.export import to_onnx
+    from rstcnn.train import prepare_data, run
+
+    with pytest.raises(SourceNotFoundError, match="pass --stl10-root DIR") as err:
+        stl10.find_stl10(tmp_path)
+    assert "--data-root" not in str(err.value)
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 20), ("test", 10)):
+        images = rng.integers(0, 256, size=(n, 3, 96, 96), dtype=np.uint8)
+        write_stl10(tmp_path / "stl10_binary", images, np.arange(n) % 10, split)
+    for flag in ("--stl10-root", "--data-root"):
+        args = ["--data", "stl10", flag, str(tmp_path), "--realisations", "0"]
+        assert prepare_data.main(args) == 0
+        assert "train: 20 images" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        prepare_data.parse_args(["--data", "stl10"])
+    assert "needs --stl10-root DIR" in capsys.readouterr().err
+    for parse in (run.parse_args, to_onnx.parse_args):
+        with pytest.raises(SystemExit):
+            parse(["--help"])
+        assert "--stl10-root" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------- the real Debian Fashion-MNIST
 
 

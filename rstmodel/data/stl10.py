@@ -57,7 +57,7 @@ def find_stl10(root: str | Path) -> Path:
         f"no STL-10 binary files in {root} or {root / 'stl10_binary'} (need train_X.bin, "
         "train_y.bin, test_X.bin, test_y.bin). STL-10 is in no package registry: download "
         "stl10_binary.tar.gz from https://cs.stanford.edu/~acoates/stl10/, unpack it with "
-        "`tar xzf stl10_binary.tar.gz -C DIR` and pass --data-root DIR"
+        "`tar xzf stl10_binary.tar.gz -C DIR` and pass --stl10-root DIR"
     )
 
 
