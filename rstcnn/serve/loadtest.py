@@ -114,6 +114,15 @@ def _check_loopback(url: str) -> None:
         raise ValueError(f"the load test only targets loopback addresses, not {host!r}")
 
 
+def _answers(url: str) -> bool:
+    """Whether a server answers ``GET /healthz`` at ``url`` (any status: it is there)."""
+    try:
+        httpx.get(f"{url.rstrip('/')}/healthz", timeout=10.0)
+    except httpx.TransportError:
+        return False
+    return True
+
+
 def run_load(
     url: str,
     image: bytes,
@@ -392,6 +401,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     sampler = RssSampler(process.pid) if process is not None and args.soak else None
     try:
         _check_loopback(url)
+        if process is None and not _answers(url):
+            print(
+                f"error: no server answers at {url} (start one with `bash scripts/demo.sh`, or "
+                "leave out --url and the load test starts its own)",
+                file=sys.stderr,
+            )
+            return 2
         if args.soak:
             plan = soak_plan(image, requests, seed=args.seed)
             classify, stability, _ = soak_probes(image)
