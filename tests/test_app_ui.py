@@ -4,6 +4,7 @@ line, and a bounded load test of /v1/classify on loopback."""
 from __future__ import annotations
 
 import re
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -158,12 +159,35 @@ def test_bounded_load_on_loopback(server, samples):
         run_load("http://192.0.2.1:80", b"", clients=1, requests=1)
 
 
+def free_port() -> int:
+    with socket.socket() as probe:  # a port that was free a moment ago
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def test_command_line_refuses_a_missing_model(tmp_path, capsys):
     with pytest.raises(SystemExit) as done:
-        main(["--model", str(tmp_path / "no.onnx"), "--port", "1"])
+        main(["--model", str(tmp_path / "no.onnx"), "--port", str(free_port())])
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert "no model at" in err and "export/to_onnx.py" in err
+
+
+def test_command_line_refuses_a_port_in_use_before_loading_models(tmp_path, capsys, monkeypatch):
+    """A second server on a taken port: one line saying so and what to do, exit 2, before
+    the models load (which takes seconds), not a log that says it serves and then fails."""
+    from rstcnn.serve import app as app_module
+
+    monkeypatch.setattr(app_module, "build_app", lambda *a, **k: pytest.fail("models loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as done:
+            main(["--model", str(tmp_path / "m.onnx"), "--port", str(port)])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert f"cannot serve on 127.0.0.1:{port}" in err and "in use" in err and "--port" in err
 
 
 def test_drawing_is_inverted_and_flattened_on_white(tmp_path, samples, tmp_path_factory):

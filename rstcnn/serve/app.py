@@ -709,6 +709,22 @@ def _percent(number: float) -> str:
     return f"{number:.1%}" if number <= 1 else f"{number:.1f}%"
 
 
+def _cannot_bind(host: str, port: int) -> str | None:
+    """Why the server could not listen on ``host:port`` (the address in use, a port below
+    1024 without the right, an unknown host), or None where it can."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind(address)
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
+
+
 def warm_gallery(app: FastAPI) -> Any:
     """Sweep the gallery's images in the background (``SweepCache.warm``), so that the
     page and the API answer them at once; returns the thread."""
@@ -767,6 +783,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    busy = _cannot_bind(args.host, args.port)
+    if busy:  # before the models load: that takes seconds
+        parser.exit(
+            2,
+            f"error: cannot serve on {args.host}:{args.port} ({busy}); is another server (e.g. "
+            "scripts/demo.sh) still running there? Stop it or pass --port N\n",
+        )
 
     return_memory_to_the_system()
     try:
