@@ -1,4 +1,4 @@
-# usage: B=8 P=bf16 python results/bench/stages-s16.py (jemalloc preloaded, OMP_WAIT_POLICY=PASSIVE as the app):
+# usage: B=8 P=bf16 (or int16) python results/bench/stages-s16.py (jemalloc preloaded, OMP_WAIT_POLICY=PASSIVE as the app):
 # the shipped rst_cnn_fb eval, time per stage inside forwards (nested timers: "conv N" holds the stages under it)
 import os, time, torch, collections
 from rstmodel.checkpoint import load_checkpoint
@@ -13,7 +13,7 @@ def wrap(obj, attr, label):
     def g(*a, **k):
         s = time.perf_counter(); y = f(*a, **k); acc[label] += time.perf_counter() - s; return y
     setattr(obj, attr, g)
-wrap(native, "paired_rows_product", "products"); wrap(native, "joined_rows_product", "products"); wrap(native, "quad_rows_product", "products")
+wrap(native, "paired_rows_product", "products"); wrap(native, "joined_rows_product", "products"); wrap(native, "quad_rows_product", "products"); wrap(native, "word_rows_product", "products")  # int16 (s29)
 wrap(convmod._RealDFT2, "apply", "dft fwd"); wrap(convmod, "real_dft2_rows", "dft fwd"); wrap(convmod, "inverse_real_dft2_pooled", "dft inv+pool")
 wrap(convmod._GatherRows, "apply", "gather"); wrap(convmod._ScatterRows, "apply", "scatter")
 wrap(native, "small_gemm_pool", "  inv W+pool kernel")
