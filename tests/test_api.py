@@ -335,6 +335,50 @@ def test_gallery_images_are_answered_from_sweeps_made_at_start_up(counted, sampl
     assert "swept at start-up" in steps[-1][0]
 
 
+def test_gallery_sweeps_wait_out_a_load_of_classifications(monkeypatch):
+    """The background sweeps of the gallery run only when no classification has run for
+    ``pause`` seconds: under a load of classifications they wait, and run after it."""
+    import threading
+    import time
+
+    from rstcnn.serve import api
+    from rstcnn.serve.guards import Gate
+
+    swept = []
+    monkeypatch.setattr(api, "measure_stability", lambda models, pixels, **kw: swept.append(1))
+    meta = {
+        "rstcnn.model": "m",
+        "rstcnn.class_names": '["a", "b"]',
+        "rstcnn.input_size": "[1, 8, 8]",
+        "rstcnn.normalization": '{"mean": [0.5], "std": [0.25]}',
+    }
+    models = api.ModelSet([Classifier(lambda b: np.zeros((len(b), 2), np.float32), meta, ["x"])])
+    sweeps, classify = (
+        Gate("stability", running=1, waiting=1),
+        Gate("classify", running=8, waiting=8),
+    )
+    cache = api.SweepCache(models, SweepSpec(), sweeps, yield_to=(classify,))
+    images = [np.full((8, 8), v, np.uint8) for v in (0, 1)]
+
+    stop = threading.Event()
+
+    def load() -> None:  # back-to-back classifications, as 8 clients keep the gate busy
+        while not stop.is_set():
+            with classify.enter():
+                time.sleep(0.02)
+
+    clients = threading.Thread(target=load)
+    clients.start()
+    warm = cache.warm(images, pause=0.1)
+    time.sleep(1.0)
+    assert swept == [] and warm.is_alive()  # waited out the load
+    stop.set()
+    clients.join()
+    warm.join(10)
+    assert swept == [1, 1] and len(cache) == 2  # then ran, once the gate was quiet
+    assert not classify.quiet_for(60) and classify.quiet_for(0.0)
+
+
 def test_changes_name_each_other_label_with_its_runs_of_steps():
     from rstcnn.serve.stability import SweepResult
 

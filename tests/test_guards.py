@@ -252,6 +252,18 @@ def test_gate_bounds_running_and_waiting():
     assert gate.admitted == 0
 
 
+def test_a_gate_is_quiet_only_when_nobody_has_been_inside_for_a_while():
+    import time
+
+    gate = Gate("test", running=2, waiting=2)
+    assert gate.quiet_for(3600)  # never entered
+    with gate.enter():
+        assert not gate.quiet_for(0.0)  # someone inside
+    assert gate.quiet_for(0.0) and not gate.quiet_for(0.5)  # just left
+    time.sleep(0.2)
+    assert gate.quiet_for(0.1) and not gate.quiet_for(5.0)
+
+
 def test_background_work_enters_only_an_idle_gate():
     gate = Gate("test", running=1, waiting=4)
     with gate.enter_if_idle():

@@ -207,10 +207,14 @@ class SweepCache:
     """Stability reports of the gallery's images, computed once in the background after
     start-up (``warm``) and keyed by the decoded pixels, so a request with one of those
     images is answered at once, whatever file it came in. Only the gallery is stored: the
-    cache's size is fixed by it."""
+    cache's size is fixed by it. ``gate``: the sweeps'; ``yield_to``: gates of other
+    requests (classifications) whose load the background sweeps wait out."""
 
-    def __init__(self, models: ModelSet, spec: SweepSpec, gate: Gate):
+    def __init__(
+        self, models: ModelSet, spec: SweepSpec, gate: Gate, yield_to: Sequence[Gate] = ()
+    ):
         self.models, self.spec, self.gate = models, spec, gate
+        self.yield_to = tuple(yield_to)
         self._reports: dict[str, StabilityReport] = {}
         self._lock = threading.Lock()
 
@@ -234,12 +238,16 @@ class SweepCache:
 
     def warm(self, images: Sequence[np.ndarray], pause: float = 0.5) -> threading.Thread:
         """Sweep ``images`` (decoded, as ``decode_image`` returns them) in a daemon thread,
-        each only while no request is sweeping or waiting to (``Gate.enter_if_idle``,
-        retried every ``pause`` s), so a request waits at most for one of these sweeps;
-        returns the thread."""
+        each only while no request is sweeping or waiting to (``Gate.enter_if_idle``) and
+        no other request has run for ``pause`` s (``yield_to``; checked every ``pause`` s),
+        so a request waits at most for one of these sweeps and a load of classifications
+        does not share the cores with them; returns the thread."""
 
         def sweep(pixels: np.ndarray) -> StabilityReport:
             while True:
+                if not all(gate.quiet_for(pause) for gate in self.yield_to):
+                    time.sleep(pause)
+                    continue
                 try:
                     with self.gate.enter_if_idle():
                         return measure_stability(

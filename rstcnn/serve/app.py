@@ -161,7 +161,7 @@ def build_app(
     app.add_middleware(SecurityHeaders)
     app.add_middleware(HostCheck, allowed=hosts)
     install_error_handlers(app)
-    cache = SweepCache(model_set, spec, limits.sweeps)
+    cache = SweepCache(model_set, spec, limits.sweeps, yield_to=(limits.classify,))
     router = create_router(model_set, spec=spec, limits=limits, cache=cache)
     app.include_router(router)
     app.state.models = model_set

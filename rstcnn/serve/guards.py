@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, suppress
 from typing import Any
@@ -350,11 +352,18 @@ class Gate:
         self._slots = threading.Semaphore(running)
         self._lock = threading.Lock()
         self._admitted = 0
+        self._last_left = -math.inf  # time.monotonic() when the last caller left
 
     @property
     def admitted(self) -> int:
         """Callers inside or queued now."""
         return self._admitted
+
+    def quiet_for(self, seconds: float) -> bool:
+        """Whether nobody is inside or queued and nobody has left for ``seconds``: a load
+        of back-to-back requests leaves the gate empty only between them."""
+        with self._lock:
+            return self._admitted == 0 and time.monotonic() - self._last_left >= seconds
 
     def enter(self) -> AbstractContextManager[None]:
         """A place inside (waiting up to ``wait`` s in the queue), or ``Busy``."""
@@ -391,3 +400,4 @@ class Gate:
         finally:
             with self._lock:
                 self._admitted -= 1
+                self._last_left = time.monotonic()
