@@ -20,7 +20,7 @@ from serving import grey, live_server, tiny_onnx_models
 from rstcnn.serve import Classifier
 from rstcnn.serve.api import ModelSet
 from rstcnn.serve.app import _analyse, build_app, main
-from rstcnn.serve.loadtest import run_load
+from rstcnn.serve.loadtest import _free_port, run_load
 from rstcnn.serve.stability import SweepSpec, measure_stability
 from rstcnn.serve.uploads import decode_image
 
@@ -159,15 +159,9 @@ def test_bounded_load_on_loopback(server, samples):
         run_load("http://192.0.2.1:80", b"", clients=1, requests=1)
 
 
-def free_port() -> int:
-    with socket.socket() as probe:  # a port that was free a moment ago
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_command_line_refuses_a_missing_model(tmp_path, capsys):
     with pytest.raises(SystemExit) as done:
-        main(["--model", str(tmp_path / "no.onnx"), "--port", str(free_port())])
+        main(["--model", str(tmp_path / "no.onnx"), "--port", str(_free_port())])
     assert done.value.code == 2
     err = capsys.readouterr().err
     assert "no model at" in err and "export/to_onnx.py" in err

@@ -425,14 +425,9 @@ def test_a_small_soak_answers_every_request_right(real_server, samples):
 def test_the_load_test_says_when_no_server_answers_at_its_url(capsys):
     """--url at a port where nothing listens: one line naming the URL and what to do, exit 2,
     not a run of connection errors reported as a load test."""
-    import socket
-
     from rstcnn.serve import loadtest
 
-    with socket.socket() as probe:  # a port that was free a moment ago
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{loadtest._free_port()}"  # a port that was free a moment ago
     assert loadtest.main(["--url", url, "--requests", "2"]) == 2
     err = capsys.readouterr().err
     assert f"no server answers at {url}" in err and "scripts/demo.sh" in err
