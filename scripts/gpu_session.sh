@@ -6,7 +6,8 @@
 #   DEVICE=cpu DEADLINE=150 REPRO_BUDGET=smoke ... bash scripts/gpu_session.sh  # a CPU dry run (tested)
 #
 # 1. data: RS-Fashion realisations 0..2 (the protocol's trials 0..2), one process each;
-# 2. train/fastpath.py, alone on the GPU: the training step and evaluation of rst_cnn_fb and
+# 2. (a measuring call: FASTPATH_SETTINGS etc. are off by default, see below)
+#    train/fastpath.py, alone on the GPU: the training step and evaluation of rst_cnn_fb and
 #    the CNN in FASTPATH_SETTINGS; with FASTPATH_ARGS "--profile --compile --align-probe" also
 #    a torch.profiler profile of the fastest training step (profile.md: device busy fraction,
 #    launches, the kernels that take the time), each RST conv alone at its widths and at
@@ -46,16 +47,22 @@ REPRO_BUDGET="${REPRO_BUDGET:-full}"
 REPRO_SIZES="${REPRO_SIZES:-5000}"
 RESULTS="${RESULTS:-results/reproduce/rs-fashion-$REPRO_BUDGET}"
 # one process per shard: models (comma-separated) @ trials (N: trials 0..N-1; A-B: trials A..B,
-# so shards side by side train different trials of one model); cells in RESULTS are skipped
-# (default: rot_cnn's three trials, one process per trial, then rst_cnn_fb's next trials;
-# a run resumes from .gpu_resume/ when its folder is carried there, else starts afresh; sesn
-# follows in a later call, SHARDS="sesn@0-0 sesn@1-1 sesn@2-2"; three windows have measured
-# the fast path, so it only times bf16)
-SHARDS="${SHARDS:-rot_cnn@0-0 rot_cnn@1-1 rot_cnn@2-2 rst_cnn_fb@1-1 rst_cnn_fb@2-2}"
+# so shards side by side train different trials of one model); cells in RESULTS are skipped.
+# The default fills the two cells the table lacks most (rot_cnn, the rotation-only peer of the
+# paper's central claim, and sesn) in ONE call: the last window ran such runs at 6.3-6.5 s an
+# epoch each with four to six side by side (13.7 s with nine), so six 60-epoch runs take ~410 s
+# with their tests, inside DEADLINE; nine did not finish in 365 s, and runs left unfinished
+# are lost unless the next call, or a session that keeps their resume-*.tgz, carries them.
+# rst_cnn_fb (~470 s alone) wants a call of its own: SHARDS="rst_cnn_fb@1-1 rst_cnn_fb@2-2".
+# A run resumes from .gpu_resume/ when its folder is carried there, else starts afresh.
+SHARDS="${SHARDS-rot_cnn@0-0 rot_cnn@1-1 rot_cnn@2-2 sesn@0-0 sesn@1-1 sesn@2-2}"
 # train/fastpath.py's names, ';'-separated: bf16 with the fast paths' fused Triton kernels
 # and with the torch operators they replace (the faster one trains the shards below);
-# empty: no fast-path run (a later call of a window that measured it: shards only)
-FASTPATH_SETTINGS="${FASTPATH_SETTINGS-bf16;bf16 torch}"
+# empty (the default): no fast-path run. The measurements of 2. run one after the other
+# before any shard (up to FASTPATH_TIMEOUT each; 118-132 s of the last window's first call), so
+# a measuring call sets them, e.g. FASTPATH_SETTINGS="bf16;bf16 torch" STEP_COST_ARGS="--batch
+# 128 --bf16" KERNEL_PROBE_ARGS="--batch 128 --bf16" SHARDS="" (the fast path alone)
+FASTPATH_SETTINGS="${FASTPATH_SETTINGS-}"
 # e.g. "--profile --compile --align-probe" (the compile alone can take minutes)
 # (default: the profile, so that the fused kernels' own times come back in profile.md)
 FASTPATH_ARGS="${FASTPATH_ARGS---profile}"
@@ -65,10 +72,10 @@ FASTPATH_TIMEOUT="${FASTPATH_TIMEOUT:-150}"
 FASTPATH_ALIGNED="${FASTPATH_ALIGNED:-}"
 # train/step_cost.py: FLOPs and bytes moved by one bf16 training step, counted on this device,
 # and the floor they set at the card's peaks (empty: skip)
-STEP_COST_ARGS="${STEP_COST_ARGS---batch 128 --bf16}"
+STEP_COST_ARGS="${STEP_COST_ARGS-}"
 # train/kernel_probe.py: each RST convolution alone, fused kernels against torch's operators
 # (time, bytes moved, GB/s; fastpath/kernels.md; empty: skip)
-KERNEL_PROBE_ARGS="${KERNEL_PROBE_ARGS---batch 128 --bf16}"
+KERNEL_PROBE_ARGS="${KERNEL_PROBE_ARGS-}"
 K_SWEEP="${K_SWEEP-1}"  # the sweep's report (every sweep model, from the record); empty: skip
 SPLIT_CHECKPOINT="${SPLIT_CHECKPOINT-models/rst_cnn_fb.pt}"  # empty: no split check
 SPLIT_SERVED="${SPLIT_SERVED:-models/rst_cnn_fb.int8.onnx models/rst_cnn_fb.pt}"  # in turn
