@@ -503,6 +503,14 @@ def test_report_groups_trials_beside_the_paper(tmp_path, capsys):
         summary = {"model": "rst_cnn_fb", "data": "rs-fashion", "train_size": 5000}
         summary |= {"augment": False, "epochs": 60, "seed": i, "test_acc": acc}
         (folder / "summary.json").write_text(json.dumps(summary))
+    peer = tmp_path / "runs" / "peer" / "summary.json"  # the paper reports it as RDCF
+    peer.parent.mkdir()
+    peer.write_text(
+        json.dumps(
+            {"model": "rot_cnn", "data": "rs-fashion", "train_size": 2000, "augment": True}
+            | {"epochs": 60, "test_acc": 0.7446}
+        )
+    )
     stl = tmp_path / "stl" / "summary.json"
     stl.parent.mkdir()
     stl.write_text(
@@ -521,6 +529,10 @@ def test_report_groups_trials_beside_the_paper(tmp_path, capsys):
         "| resnet16 | stl10 | all | no | OOD | 1 | 25.00 | 37.63 ± 1.95 | -12.63 | reduced budget |"
         in table
     )  # one trial has no spread to show
+    assert (
+        "| rot_cnn | rs-fashion | 2000 | yes | ID | 1 | 74.46 | 73.46 ± 0.10 | +1.00 | paper: RDCF |"
+        in table
+    )
 
 
 # ---------------------------------------------------------------- resampling pipelines, --init

@@ -53,6 +53,12 @@ PAPER_RS: dict[tuple[str, str], tuple[tuple[float, float], ...]] = {
         (84.09, 0.09),
     ),
 }
+# RDCF and SDCF (the rotation-only and scale-only peers on the FB basis: this project's
+# ``rot_cnn`` and ``scale_cnn``, the RST construction with one scale or one rotation), Tables 1-2
+PAPER_RS[("rot_cnn", "rs-mnist")] = ((86.79, 0.12), (90.46, 0.33), (90.40, 0.31), (94.84, 0.15))
+PAPER_RS[("rot_cnn", "rs-fashion")] = ((70.72, 0.10), (73.96, 0.19), (73.46, 0.10), (77.53, 0.11))
+PAPER_RS[("scale_cnn", "rs-mnist")] = ((85.62, 0.51), (90.40, 0.09), (90.14, 0.16), (93.47, 0.05))
+PAPER_RS[("scale_cnn", "rs-fashion")] = ((66.29, 0.23), (72.24, 0.23), (68.40, 0.05), (75.11, 0.18))
 # RDCF+ (the rotation-only peer with L_theta = 4, here ``rdcf_plus``), Tables 1-2
 PAPER_RS[("rdcf_plus", "rs-mnist")] = ((87.68, 0.52), (91.74, 0.37), (92.49, 0.28), (95.81, 0.11))
 PAPER_RS[("rdcf_plus", "rs-fashion")] = ((71.27, 0.34), (75.94, 0.35), (76.87, 0.57), (80.66, 0.48))
@@ -72,6 +78,8 @@ PAPER_RS[("sfcnn_plus", "rs-fashion")] = (
 # SEVF (the scale-equivariant vector-field peer, here ``sevf``), Tables 1-2
 PAPER_RS[("sevf", "rs-mnist")] = ((85.76, 0.38), (90.29, 0.37), (89.97, 0.42), (93.47, 0.18))
 PAPER_RS[("sevf", "rs-fashion")] = ((66.57, 0.32), (71.03, 0.31), (68.83, 0.52), (73.25, 0.22))
+# The paper's name for a model whose row it reports under another name (the table's note).
+PAPER_NAMES = {"rot_cnn": "RDCF", "scale_cnn": "SDCF", "rdcf_plus": "RDCF+"}
 # Paper Table 3 (STL-10, 3 trials): ID and OOD test accuracy in %.
 PAPER_STL10: dict[str, dict[str, tuple[float, float]]] = {
     "resnet16": {"test": (82.66, 0.53), "test_ood": (37.63, 1.95)},
@@ -149,7 +157,10 @@ def report(summaries: list[dict[str, Any]]) -> str:
             paper = paper_accuracy(model, data, size, augment, split)
             paper_text = "-" if paper is None else f"{paper[0]:.2f} ± {paper[1]:.2f}"
             diff = "-" if paper is None else f"{mean - paper[0]:+.2f}"
-            note = "reduced budget" if any(_reduced(t) for t in trials) else ""
+            notes = ["reduced budget"] if any(_reduced(t) for t in trials) else []
+            if paper is not None and model in PAPER_NAMES:
+                notes.append(f"paper: {PAPER_NAMES[model]}")
+            note = "; ".join(notes)
             lines.append(
                 f"| {model} | {data} | {'all' if size is None else size} | "
                 f"{'yes' if augment else 'no'} | {SPLIT_NAMES[split]} | {len(accs)} | "
