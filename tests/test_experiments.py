@@ -296,7 +296,7 @@ def test_budget_data_sizes(tmp_path, idx_source, monkeypatch):
     assert data.train[0][0].shape == (1, 32, 32)
 
 
-def test_reproduce_plan_order_and_committed_results(tmp_path, idx_source, monkeypatch):
+def test_reproduce_plan_order_and_committed_results(tmp_path, idx_source, monkeypatch, capsys):
     """The full protocol's order (no augmentation, larger N_tr, trial by trial, MODELS order);
     --results keeps finished runs and counts them as done on a later call elsewhere."""
     full = budgets.BUDGETS["full"]
@@ -310,6 +310,11 @@ def test_reproduce_plan_order_and_committed_results(tmp_path, idx_source, monkey
     for bad in (["--trials", "2", "--first-trial", "2"], ["--first-trial", "-1"]):
         with pytest.raises(SystemExit):
             reproduce.parse_args(["--data", "rs-fashion", "--budget", "full", *bad])
+    # "--trials 1 --first-trial 1" reads as "one trial, number 1": the error says what to pass
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        reproduce.parse_args(["--data", "rs-fashion", "--trials", "1", "--first-trial", "1"])
+    assert "--trials 2 --first-trial 1" in capsys.readouterr().err
     args = reproduce.parse_args(["--data", "rs-fashion", "--budget", "full"])
     assert args.results == Path("results/reproduce/rs-fashion-full")
     with pytest.raises(SystemExit):

@@ -523,7 +523,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.jobs < 1 or args.trials < 1:
         parser.error("--jobs and --trials must be positive")
     if not 0 <= args.first_trial < args.trials:
-        parser.error(f"--first-trial must be in 0 .. {args.trials - 1} (--trials {args.trials})")
+        hint = ""
+        if args.first_trial >= args.trials:
+            hint = (
+                f"; --trials counts all trials, so to train only trial {args.first_trial} pass "
+                f"--trials {args.first_trial + 1} --first-trial {args.first_trial}"
+            )
+        parser.error(
+            f"--first-trial must be in 0 .. {args.trials - 1} (--trials {args.trials}){hint}"
+        )
     if args.threads is None:
         args.threads = 1 if args.jobs > 1 else None
     args.augment = {"both": [False, True], "no": [False], "yes": [True]}[args.augment]
