@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from rstcnn.train import budgets, engine, equivariance, ood, reproduce, run, stability
+from rstcnn.train import budgets, engine, equivariance, ood, pose_use, reproduce, run, stability
 from rstcnn.train.experiments import parse_element, stages_of, synthetic_images
-from rstmodel import RSTElement, act_on_features, create_model, save_checkpoint
+from rstmodel import RSTElement, act_on_features, create_model, load_checkpoint, save_checkpoint
 
 QUARTER = RSTElement(math.pi / 2, 0.0)
 
@@ -542,3 +542,67 @@ def test_deadline_sends_sigint_once_and_disarms():
         assert got == [1]
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_pose_use_winners_and_moves():
+    """The winner is the (rotation, scale) of a channel's maximum; constant channels have none;
+    moves count exactly one step, cyclic on the rotation axis."""
+    feats = torch.zeros(1, 3, 4, 2, 2, 2)
+    feats[0, 0, 3, 1, 1, 0] = 5.0  # channel 0 peaks at rotation 3, scale 1
+    feats[0, 1, 0, 0, 0, 1] = 2.0  # channel 1 at rotation 0, scale 0; channel 2 is constant
+    r, s, alive = pose_use.winners(feats)
+    assert r.tolist() == [[3, 0, 0]] and s.tolist() == [[1, 0, 0]]
+    assert alive.tolist() == [[True, True, False]]
+    after = torch.tensor([[0, 1, 2]])  # channel 0: 3 -> 0 is +1 mod 4; channel 2 not counted
+    assert pose_use.moved_share(r, after, alive, 1, 4) == 1.0
+    assert pose_use.moved_share(r, after, alive, 1, None) == 0.5
+
+
+def _rs_checkpoint(path: Path, name: str, **config) -> Path:
+    torch.manual_seed(0)
+    model = create_model(name, **config)
+    with torch.no_grad():
+        model.train()
+        model(torch.randn(8, 1, 56, 56))
+    run_args = {"data": "rs-fashion", "train_size": 64, "val_size": 32, "realisation": 0}
+    save_checkpoint(
+        path,
+        model.eval(),
+        model_name=name,
+        class_names=[str(i) for i in range(10)],
+        input_size=56,
+        in_channels=1,
+        normalization=([0.2], [0.3]),
+        extra={"run": run_args},
+    )
+    return path
+
+
+def test_pose_use_cli_bins_accuracy_and_a_quarter_turn_moves_every_winner(
+    tmp_path, idx_source, monkeypatch
+):
+    monkeypatch.setenv("RSTCNN_DATA", str(tmp_path / "cache"))
+    rst = _rs_checkpoint(tmp_path / "rst.pt", "rst_cnn_fb", channels=(3, 4, 5), hidden=8)
+    cnn = _rs_checkpoint(tmp_path / "cnn.pt", "cnn")
+    out = tmp_path / "pose"
+    args = [str(rst), str(cnn), "--images", "150", "--sweep", "6", "--data-root", str(idx_source)]
+    assert pose_use.main([*args, "--out", str(out), "--threads", "1"]) == 0
+    rows = read_csv(out / "pose_use.csv")
+    for model in ("rst_cnn_fb", "cnn"):
+        mine = [r for r in rows if r["model"].startswith(model)]
+        assert [r["axis"] for r in mine] == ["scale"] * 7 + ["angle"] * 8
+        counts = {
+            axis: sum(int(r["images"]) for r in mine if r["axis"] == axis)
+            for axis in ("scale", "angle")
+        }
+        assert counts == {"scale": 150, "angle": 150}  # every test image in one bin per axis
+    text = (out / "pose_use.md").read_text()
+    assert "quarter turn (rot90): winner +Nr/4 (exact): 1.00" in text
+    assert text.count("share of channels winning at each scale index") == 1  # the RST model only
+    assert (out / "pose_use.png").stat().st_size > 1000
+    # the quarter turn permutes the sampled filters exactly: every live winner moves Nr/4
+    model, meta = load_checkpoint(rst)
+    sources = np.random.default_rng(1).integers(0, 256, size=(4, 28, 28), dtype=np.uint8)
+    sweep = pose_use.controlled_sweep(model, meta, sources, 0.6)
+    assert sweep["quarter turn (rot90): winner +Nr/4 (exact)"] == 1.0
+    assert 0 <= sweep["rotation +45 deg: winner +1 index"] <= 1
