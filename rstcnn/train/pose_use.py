@@ -46,6 +46,7 @@ from rstmodel.checkpoint import load_checkpoint
 from rstmodel.data.cache import default_cache_dir
 from rstmodel.data.rs import RSConfig, load_rs, rotate_scale_upsize
 from rstmodel.data.sources import find_source, load_source
+from rstmodel.models.rst_cnn import RSTCNN
 
 log = logging.getLogger("rstcnn.pose_use")
 
@@ -167,7 +168,7 @@ def analyse(path: Path, args: argparse.Namespace, bar: tqdm) -> dict:
     count = min(args.images, len(test))
     idx = test.indices[:count]
     x = _normalise(test.images[:count], meta.mean[0], meta.std[0])
-    equivariant = hasattr(model, "forward_features") and hasattr(model, "spec")
+    equivariant = isinstance(model, RSTCNN)  # [B, C, R, S, h, w] maps; others: accuracy only
     name = f"{meta.model_name} ({path})"
     result: dict = {"name": name, "model": meta.model_name, "images": count}
     if equivariant:
