@@ -51,7 +51,7 @@ RESULTS="${RESULTS:-results/reproduce/rs-fashion-$REPRO_BUDGET}"
 # The default fills the two cells the table lacks most (rot_cnn, the rotation-only peer of the
 # paper's central claim, whose trials 0-1 the CPU trained, and sesn) in ONE call: the last window
 # ran such runs at 6.3-6.5 s an epoch each with four to six side by side (13.7 s with nine), so
-# five or six 60-epoch runs take ~410 s with their tests, inside DEADLINE; nine did not finish
+# four to six 60-epoch runs take ~410 s with their tests, inside DEADLINE; nine did not finish
 # in 365 s, and runs left unfinished are lost unless the next call, or a session that keeps
 # their resume-*.tgz, carries them.
 # rst_cnn_fb (~470 s alone) wants a call of its own: SHARDS="rst_cnn_fb@1-1 rst_cnn_fb@2-2".

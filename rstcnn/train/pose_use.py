@@ -29,11 +29,13 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Callable
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from tqdm import tqdm
 
 if __package__ in (None, ""):
@@ -44,7 +46,7 @@ from rstcnn.train.experiments import plt, write_csv
 from rstcnn.train.runtime import use_retaining_allocator
 from rstmodel.checkpoint import load_checkpoint
 from rstmodel.data.cache import default_cache_dir
-from rstmodel.data.rs import RSConfig, load_rs, rotate_scale_upsize
+from rstmodel.data.rs import RSConfig, RSData, load_rs, rotate_scale_upsize
 from rstmodel.data.sources import find_source, load_source
 from rstmodel.models.rst_cnn import RSTCNN
 
@@ -75,9 +77,23 @@ def moved_share(before: Tensor, after: Tensor, alive: Tensor, step: int, period:
     return (shift == step)[alive].float().mean().item()
 
 
-def _batches(model: nn.Module, x: Tensor, fn, batch: int = 64) -> Tensor:
+def _batches(fn: Callable[[Tensor], Tensor], x: Tensor, batch: int = 64) -> Tensor:
     with torch.no_grad():
-        return torch.cat([fn(model, x[i : i + batch]) for i in range(0, len(x), batch)])
+        return torch.cat([fn(x[i : i + batch]) for i in range(0, len(x), batch)])
+
+
+@lru_cache(maxsize=2)
+def _realisation(data: str, realisation: int, data_root: Path | None) -> RSData:
+    """One RS realisation, read once for every checkpoint of a call."""
+    return load_rs(RSConfig(data, realisation=realisation), data_root=data_root)
+
+
+@lru_cache(maxsize=2)
+def _source_images(rs: RSData, data_root: Path | None) -> np.ndarray:
+    """The realisation's upright source images (index i renders as the RS image i)."""
+    sources_dir = default_cache_dir() / "sources"
+    info = find_source(rs.config.dataset.base, data_root=data_root, sources_dir=sources_dir)
+    return load_source(info).images
 
 
 def _normalise(images: np.ndarray, mean: float, std: float) -> Tensor:
@@ -122,7 +138,7 @@ def controlled_sweep(model, meta, sources: np.ndarray, base_scale: float) -> dic
     mean, std = meta.mean[0], meta.std[0]
 
     def feats(images: list[np.ndarray]) -> tuple[Tensor, Tensor, Tensor]:
-        return winners(_batches(model, _normalise(np.stack(images), mean, std), _features))
+        return winners(_batches(model.forward_features, _normalise(np.stack(images), mean, std)))
 
     base = [rotate_scale_upsize(im, 0.0, base_scale) for im in sources]
     r0, s0, alive = feats(base)
@@ -147,14 +163,6 @@ def controlled_sweep(model, meta, sources: np.ndarray, base_scale: float) -> dic
     return out
 
 
-def _features(model: nn.Module, x: Tensor) -> Tensor:
-    return model.forward_features(x)
-
-
-def _logits(model: nn.Module, x: Tensor) -> Tensor:
-    return model(x)
-
-
 def analyse(path: Path, args: argparse.Namespace, bar: tqdm) -> dict:
     model, meta = load_checkpoint(path)
     run = (meta.extra or {}).get("run", {})
@@ -163,16 +171,16 @@ def analyse(path: Path, args: argparse.Namespace, bar: tqdm) -> dict:
         raise SystemExit(
             f"{path} was trained on {data!r}: pose_use.py reads RS-MNIST / RS-Fashion checkpoints"
         )
-    rs = load_rs(RSConfig(data, realisation=run.get("realisation", 0)), data_root=args.data_root)
+    rs = _realisation(data, run.get("realisation", 0), args.data_root)
     test = rs.split(run.get("train_size", 5000), num_val=run.get("val_size", 2000)).test
     count = min(args.images, len(test))
     idx = test.indices[:count]
     x = _normalise(test.images[:count], meta.mean[0], meta.std[0])
     equivariant = isinstance(model, RSTCNN)  # [B, C, R, S, h, w] maps; others: accuracy only
     name = f"{meta.model_name} ({path})"
-    result: dict = {"name": name, "model": meta.model_name, "images": count}
+    result: dict = {"name": name, "model": meta.model_name}
     if equivariant:
-        feats = _batches(model, x, _features)
+        feats = _batches(model.forward_features, x)
         pred = model.head(model.pool(feats)).argmax(-1).numpy()
         _, s_win, alive = winners(feats)
         result["scale_table"] = scale_winners_by_object_scale(
@@ -180,17 +188,12 @@ def analyse(path: Path, args: argparse.Namespace, bar: tqdm) -> dict:
         )
         result["scale_ratio"] = meta.config["scale_ratio"]
     else:
-        pred = _batches(model, x, _logits).argmax(-1).numpy()
+        pred = _batches(model, x).argmax(-1).numpy()
     bar.update(1)
     result["rows"] = accuracy_by_pose(pred, test.labels[:count], rs.scales[idx], rs.angles[idx])
     result["accuracy"] = float((pred == test.labels[:count]).mean())
     if equivariant and args.sweep:
-        info = find_source(
-            rs.config.dataset.base,
-            data_root=args.data_root,
-            sources_dir=default_cache_dir() / "sources",
-        )
-        sources = load_source(info).images[idx[: args.sweep]]
+        sources = _source_images(rs, args.data_root)[idx[: args.sweep]]
         result["sweep"] = controlled_sweep(model, meta, sources, args.base_scale)
     bar.update(1)
     return result
