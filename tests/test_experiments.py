@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
 import shutil
 import struct
@@ -606,3 +607,24 @@ def test_pose_use_cli_bins_accuracy_and_a_quarter_turn_moves_every_winner(
     sweep = pose_use.controlled_sweep(model, meta, sources, 0.6)
     assert sweep["quarter turn (rot90): winner +Nr/4 (exact)"] == 1.0
     assert 0 <= sweep["rotation +45 deg: winner +1 index"] <= 1
+
+
+def test_reproduce_bf16_on_a_cpu_without_bfloat16_says_it_is_emulated(
+    tmp_path, idx_source, monkeypatch, caplog
+):
+    """A shard trained with --bf16 where the CPU emulates bfloat16 (14x slower than float32 for
+    the RST step on an AVX2 CPU) warns as train/run.py does, on the console and in the run's
+    own train.log."""
+    monkeypatch.setenv("RSTCNN_DATA", str(tmp_path / "cache"))
+    monkeypatch.setattr(engine, "bf16_supported", lambda device: False)
+    caplog.set_level(logging.INFO)
+    out = tmp_path / "out"
+    args = ["--data", "rs-fashion", "--budget", "smoke", "--models", "cnn", "--augment", "no"]
+    args += ["--bf16", "--data-root", str(idx_source), "--out", str(out), "--threads", "1"]
+    assert reproduce.main(args) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("no native bfloat16" in w and "drop --bf16" in w for w in warnings), warnings
+    assert (
+        "no native bfloat16"
+        in (out / "rs-fashion" / "smoke" / "cnn-64-t0" / "train.log").read_text()
+    )

@@ -218,6 +218,7 @@ def train_trial(args: TrainConfig, data) -> tuple[engine.Trial, dict[str, Any]]:
     try:
         with engine.folder_lock(out), signals:
             device = engine.pick_device(args.device)
+            engine.advise_precision(args.bf16, device)
             trial = engine.Trial(args, data(), seed=args.seed, out=out, device=device, stop=stop)
             return trial, trial.run()
     finally:

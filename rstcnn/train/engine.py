@@ -1048,6 +1048,26 @@ def _log_to_file(path: Path) -> logging.Handler:
     return handler
 
 
+def advise_precision(bf16: bool, device: torch.device) -> None:
+    """Log what ``--bf16`` costs on this CPU: a warning where bfloat16 is emulated (no
+    AVX512-BF16 or AMX), a tip where jemalloc is not preloaded. Every way of training
+    (train/run.py, train/reproduce.py's shards) calls it before its first step."""
+    if not bf16 or device.type != "cpu":
+        return
+    if not bf16_supported(device):
+        log.warning(
+            "this CPU has no native bfloat16 (AVX512-BF16 or AMX): --bf16 is emulated here, "
+            "14x slower than float32 for the rst_cnn_fb training step on an AVX2 CPU "
+            "(BENCHMARKS.md); drop --bf16 unless you want bfloat16's rounding itself"
+        )
+    elif "jemalloc" not in os.environ.get("LD_PRELOAD", ""):
+        log.info(
+            "tip: on jemalloc (RSTCNN_ALLOCATOR=jemalloc, the default of train/run.py where "
+            "libjemalloc2 is installed) --bf16 made the rst_cnn_fb step 2.7x faster at "
+            "float32's memory peak (BENCHMARKS.md)"
+        )
+
+
 def run_trials(
     args: TrainConfig, stop: StopRequest, procs: Distributed | None = None
 ) -> list[dict[str, Any]]:
@@ -1063,19 +1083,7 @@ def run_trials(
 
     procs.on_main(check_folders)
     log.info("device: %s", describe_device(device))
-    on_jemalloc = "jemalloc" in os.environ.get("LD_PRELOAD", "")
-    if args.bf16 and device.type == "cpu" and not bf16_supported(device):
-        log.warning(
-            "this CPU has no native bfloat16 (AVX512-BF16 or AMX): --bf16 is emulated here, "
-            "14x slower than float32 for the rst_cnn_fb training step on an AVX2 CPU "
-            "(BENCHMARKS.md); drop --bf16 unless you want bfloat16's rounding itself"
-        )
-    elif args.bf16 and device.type == "cpu" and not on_jemalloc:
-        log.info(
-            "tip: on jemalloc (RSTCNN_ALLOCATOR=jemalloc, the default of train/run.py where "
-            "libjemalloc2 is installed) --bf16 made the rst_cnn_fb step 2.7x faster at "
-            "float32's memory peak (BENCHMARKS.md)"
-        )
+    advise_precision(args.bf16, device)
     if procs.enabled:
         log.info(
             "process %d of %d, %d images per batch each",
