@@ -4,6 +4,7 @@ the accuracy-table driver and the out-of-distribution experiment, each at a smok
 from __future__ import annotations
 
 import csv
+import importlib
 import json
 import logging
 import math
@@ -628,3 +629,45 @@ def test_reproduce_bf16_on_a_cpu_without_bfloat16_says_it_is_emulated(
         "no native bfloat16"
         in (out / "rs-fashion" / "smoke" / "cnn-64-t0" / "train.log").read_text()
     )
+
+
+@pytest.mark.parametrize(
+    "command, args",
+    [
+        ("stability", ["{ckpt}", "--threads", "1", "--out", "{out}"]),
+        ("pose_use", ["{ckpt}", "--threads", "1", "--out", "{out}"]),
+        ("equivariance", ["--checkpoint", "{ckpt}", "--data", "synthetic", "--out", "{out}"]),
+        ("precision_check", ["{ckpt}", "--precision", "int16"]),
+        ("resampling", ["{ckpt}", "--out", "{out}"]),
+        (
+            "reproduce",
+            [
+                "--data",
+                "rs-mnist",
+                "--budget",
+                "smoke",
+                "--data-root",
+                "{missing}",
+                "--out",
+                "{out}",
+            ],
+        ),
+        ("k_sweep", ["--budget", "smoke", "--data-root", "{missing}", "--out", "{out}"]),
+    ],
+)
+def test_experiment_commands_end_with_one_error_line_on_what_a_user_can_mend(
+    tmp_path, monkeypatch, capsys, command, args
+):
+    """A corrupt checkpoint or a missing data folder: one 'error:' line that says what to do
+    and exit status 2, not a traceback."""
+    monkeypatch.setenv("RSTCNN_DATA", str(tmp_path / "cache"))
+    ckpt = tmp_path / "model.pt"
+    ckpt.write_bytes(b"PK\x03\x04 half a zip, cut off by a crash")
+    missing = tmp_path / "no-such-folder"
+    argv = [a.format(ckpt=ckpt, missing=missing, out=tmp_path / "out") for a in args]
+    main = importlib.import_module(f"rstcnn.train.{command}").main
+    monkeypatch.chdir(tmp_path)  # anything written by mistake lands here
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    expected = "not a readable checkpoint" if "{ckpt}" in args else "is not a folder"
+    assert err.startswith("error: ") and expected in err, err

@@ -61,7 +61,7 @@ from rstcnn.train.experiments import (
     stage_outputs,
     write_csv,
 )
-from rstcnn.train.runtime import use_retaining_allocator
+from rstcnn.train.runtime import use_retaining_allocator, user_errors
 from rstmodel import (
     BasisSpec,
     GroupRSTConv,
@@ -378,6 +378,7 @@ def markdown(args: argparse.Namespace, summary: list[dict], g: RSTElement, secon
     return "\n".join(lines) + "\n"
 
 
+@user_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_cli(args.threads)

@@ -49,6 +49,7 @@ if __package__ in (None, ""):
 from rstcnn.train import engine, reproduce
 from rstcnn.train.budgets import BUDGETS, SWEEP_MODELS, Budget, budget_config
 from rstcnn.train.experiments import plt
+from rstcnn.train.runtime import user_errors
 from rstmodel import create_model
 from rstmodel.layers import native
 
@@ -258,6 +259,7 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, where: str) -> s
     return text
 
 
+@user_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     engine.setup_cli(args.threads)

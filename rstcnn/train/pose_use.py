@@ -43,7 +43,7 @@ if __package__ in (None, ""):
 
 from rstcnn.train.engine import setup_cli
 from rstcnn.train.experiments import plt, write_csv
-from rstcnn.train.runtime import use_retaining_allocator
+from rstcnn.train.runtime import use_retaining_allocator, user_errors
 from rstmodel.checkpoint import load_checkpoint
 from rstmodel.data.cache import default_cache_dir
 from rstmodel.data.rs import RSConfig, RSData, load_rs, rotate_scale_upsize
@@ -300,6 +300,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+@user_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_cli(args.threads)

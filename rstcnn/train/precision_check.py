@@ -41,10 +41,8 @@ if __package__ in (None, ""):
 
 from rstcnn.export.precision import accuracy_drop_points
 from rstcnn.train.resampling import rs_run, test_images
-from rstcnn.train.runtime import use_retaining_allocator
+from rstcnn.train.runtime import use_retaining_allocator, user_errors
 from rstmodel import load_checkpoint
-from rstmodel.checkpoint import CheckpointError
-from rstmodel.data import SourceNotFoundError
 from rstmodel.precision import bf16_supported, inference, int8_supported, int16_supported
 
 # each precision: whether a device runs it, and what it lacks where it does not
@@ -114,6 +112,7 @@ def check(
     }
 
 
+@user_errors
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -144,19 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     if not supported(args.device):
         print(f"error: {args.device} here {needs}; nothing to check", file=sys.stderr)
         return 2
-    try:
-        r = check(
-            args.checkpoint,
-            args.limit,
-            args.batch,
-            args.device,
-            args.tolerance,
-            args.data_root,
-            args.precision,
-        )
-    except (FileNotFoundError, CheckpointError, SourceNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    r = check(
+        args.checkpoint,
+        args.limit,
+        args.batch,
+        args.device,
+        args.tolerance,
+        args.data_root,
+        args.precision,
+    )
     print(
         f"{r['model']} on {r['images']} test images ({r['device']}, batch {r['batch']}):\n"
         f"  float32  accuracy {100 * r['fp32_acc']:.2f} %  {r['fp32_s']:.2f} s\n"

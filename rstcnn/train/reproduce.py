@@ -67,6 +67,7 @@ from rstcnn.train.budgets import (
 )
 from rstcnn.train.config import TrainConfig
 from rstcnn.train.experiments import plt, write_csv
+from rstcnn.train.runtime import user_errors
 from rstmodel import create_model
 from rstmodel.checkpoint import upgrade_record
 
@@ -545,6 +546,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+@user_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     engine.setup_cli()

@@ -27,14 +27,13 @@ from tqdm import tqdm
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from rstcnn.train.runtime import user_errors
 from rstmodel import load_checkpoint
-from rstmodel.checkpoint import CheckpointError
 from rstmodel.data import (
     HELD_OUT_RESAMPLING,
     RESAMPLINGS,
     ArrayDataset,
     RSConfig,
-    SourceNotFoundError,
     collate,
     load_rs,
 )
@@ -102,6 +101,7 @@ def table(rows: list[dict], pipelines: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+@user_errors
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -122,13 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit < 1:
         parser.error(f"--limit must be positive, got {args.limit}")
-    try:
-        rows = measure(
-            args.checkpoints, args.pipelines, args.limit, args.device, args.batch, args.data_root
-        )
-    except (FileNotFoundError, CheckpointError, SourceNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    rows = measure(
+        args.checkpoints, args.pipelines, args.limit, args.device, args.batch, args.data_root
+    )
     text = table(rows, args.pipelines)
     print(text, end="")
     if args.out is not None:

@@ -32,11 +32,13 @@ and again after its gallery sweeps: a server's working set is one sweep's, bound
 from __future__ import annotations
 
 import ctypes.util
+import functools
 import importlib
 import logging
 import os
 import platform
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 __all__ = [
@@ -46,6 +48,7 @@ __all__ = [
     "HUGEPAGE_TUNABLES",
     "JEMALLOC_CONF",
     "find_jemalloc",
+    "user_errors",
 ]
 
 log = logging.getLogger(__name__)
@@ -132,3 +135,22 @@ def run_main(module: str, reexec: bool = True, **allocator: str) -> NoReturn:
     if reexec:
         use_retaining_allocator(**allocator)
     sys.exit(importlib.import_module(module).main())
+
+
+def user_errors(main: Callable[..., int]) -> Callable[..., int]:
+    """Wrap a command's ``main(argv)``: what a user can mend (a missing or unreadable
+    checkpoint, a missing data source or folder) ends it with one ``error: ...`` line that
+    says what to do, and exit status 2, instead of a traceback."""
+
+    @functools.wraps(main)
+    def guarded(argv: list[str] | None = None) -> int:
+        from rstmodel.checkpoint import CheckpointError
+        from rstmodel.data.sources import SourceNotFoundError
+
+        try:
+            return main(argv)
+        except (FileNotFoundError, CheckpointError, SourceNotFoundError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+
+    return guarded

@@ -56,7 +56,7 @@ from rstcnn.train.experiments import (
     write_csv,
     write_json,
 )
-from rstcnn.train.runtime import use_retaining_allocator
+from rstcnn.train.runtime import use_retaining_allocator, user_errors
 from rstmodel import (
     GroupRSTConv,
     LiftingRSTConv,
@@ -399,6 +399,7 @@ def markdown(summary: list[dict], bounds: dict, trained: str, seconds: float) ->
     return "\n".join(lines) + "\n"
 
 
+@user_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_cli(args.threads)
