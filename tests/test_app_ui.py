@@ -184,6 +184,25 @@ def test_command_line_refuses_a_port_in_use_before_loading_models(tmp_path, caps
     assert f"cannot serve on 127.0.0.1:{port}" in err and "in use" in err and "--port" in err
 
 
+def test_command_line_refuses_a_port_out_of_range_and_names_a_corrupt_checkpoint_once(
+    tmp_path, capsys
+):
+    """--port 99999 is a usage error (not socket's OverflowError); a corrupt checkpoint is
+    one line that names the file once and says what to do."""
+    with pytest.raises(SystemExit) as done:
+        main(["--port", "99999"])
+    assert done.value.code == 2
+    assert "--port must be 0 .. 65535, got 99999" in capsys.readouterr().err
+    broken = tmp_path / "model.pt"
+    broken.write_bytes(b"PK\x03\x04 cut off")
+    with pytest.raises(SystemExit) as done:
+        main(["--model", str(broken), "--port", "0"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: ") and "not a readable checkpoint" in err
+    assert err.count(str(broken)) == 1 and "train again" in err
+
+
 def test_drawing_is_inverted_and_flattened_on_white(tmp_path, samples, tmp_path_factory):
     """The Draw tab: dark strokes on a transparent canvas read as light strokes on black."""
     models = ModelSet(

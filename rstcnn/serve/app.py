@@ -782,6 +782,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--sweep-queue", type=int, default=8, help="sweeps waiting before 503 (default 8)"
     )
     args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be 0 .. 65535, got {args.port}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     busy = _cannot_bind(args.host, args.port)
     if busy:  # before the models load: that takes seconds

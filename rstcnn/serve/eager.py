@@ -115,7 +115,7 @@ def load(
     try:
         model, meta = load_checkpoint(checkpoint)
     except (FileNotFoundError, CheckpointError) as err:
-        raise ValueError(f"{checkpoint}: {err}") from None
+        raise ValueError(str(err)) from None  # the message names the file
     model = model.float().eval()
     digest = file_sha256(checkpoint)
     runs = {"int8": int8_supported, "bf16": bf16_supported, "int16": int16_supported}
