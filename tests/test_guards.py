@@ -431,3 +431,23 @@ def test_the_load_test_says_when_no_server_answers_at_its_url(capsys):
     assert loadtest.main(["--url", url, "--requests", "2"]) == 2
     err = capsys.readouterr().err
     assert f"no server answers at {url}" in err and "scripts/demo.sh" in err
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--url", "notaurl"], "--url must be an http:// address"),
+        (["--url", "http://example.org:7860"], "only targets loopback addresses"),
+        (["--url", "http://127.0.0.1:9", "--clients", "0"], "--clients and --requests must be"),
+        (["--url", "http://127.0.0.1:9", "--image", "/no/such.png"], "no such file"),
+    ],
+)
+def test_the_load_test_refuses_bad_arguments_before_it_starts_anything(argv, says, capsys):
+    """A URL that is not an http loopback address, no clients, a missing image: a usage
+    error (exit 2) naming the argument, before any server or client starts."""
+    from rstcnn.serve import loadtest
+
+    with pytest.raises(SystemExit) as done:
+        loadtest.main(argv)
+    assert done.value.code == 2
+    assert says in capsys.readouterr().err

@@ -391,6 +391,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     requests = args.requests or (1000 if args.soak else 200)
+    if args.clients < 1 or requests < 1:
+        parser.error(f"--clients and --requests must be >= 1, got {args.clients} and {requests}")
+    if args.url is not None:
+        if urlparse(args.url).scheme not in ("http", "https"):
+            parser.error(
+                f"--url must be an http:// address, e.g. http://127.0.0.1:7860, got {args.url!r}"
+            )
+        try:
+            _check_loopback(args.url)
+        except ValueError as err:
+            parser.error(str(err))
+    if args.image and not Path(args.image).is_file():
+        parser.error(f"--image {args.image}: no such file")
 
     image = Path(args.image).read_bytes() if args.image else _default_image()
     process = None
