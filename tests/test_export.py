@@ -459,6 +459,16 @@ def test_to_onnx_cli_error_has_no_traceback(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+def test_to_onnx_refuses_an_output_it_cannot_write_before_exporting(tmp_path, capsys):
+    """-o into a folder that cannot be made: one line saying so, before the export runs."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    out = blocker / "model.onnx"
+    assert to_onnx.main([str(REPO / "models" / "cnn.pt"), "-o", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: cannot write {out}") and "-o" in err[0]
+
+
 # ---------------------------------------------------------------- TensorRT
 
 

@@ -40,6 +40,7 @@ if __name__ == "__main__":  # re-exec with the retaining heap, then run as rstcn
 import argparse
 import logging
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +111,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def check_writable(out: Path) -> None:
+    """Create ``out``'s folder and a probe file in it, or raise ExportError saying so: before
+    the export's minutes, not after."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.probe."):
+            pass
+    except OSError as err:
+        raise ExportError(
+            f"cannot write {out} ({err.strerror or err}); pass -o with a folder you can write to"
+        ) from None
+
+
 def _normalised(images: np.ndarray, meta: CheckpointMeta) -> np.ndarray:
     mean = np.asarray(meta.mean, dtype=np.float32).reshape(1, -1, 1, 1)
     std = np.asarray(meta.std, dtype=np.float32).reshape(1, -1, 1, 1)
@@ -121,8 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     log.setLevel(logging.INFO)
     args = parse_args(argv)
     reduced = args.precision != "fp32"
+    out = args.checkpoint.with_suffix(".onnx") if args.out is None else args.out
     try:
         model, meta = load_checkpoint(args.checkpoint)
+        check_writable(out)
         where = {"stl10_root": args.stl10_root}
         tests = data_sample(meta, args.check, labels=True, **where) if args.check else None
         calibration = (
@@ -133,7 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ExportError, OSError, ValueError) as err:  # CheckpointError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         return EXIT_SETUP
-    out = args.checkpoint.with_suffix(".onnx") if args.out is None else args.out
     shape = (meta.in_channels, meta.input_size, meta.input_size)
     metadata = onnx_metadata(model, meta, file_sha256(args.checkpoint))
     fp32 = out.with_name(f".{out.stem}.fp32.onnx") if reduced else out
