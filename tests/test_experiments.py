@@ -267,6 +267,14 @@ def test_ood_smoke(tmp_path, idx_source, monkeypatch):
     assert "OOD" in (out / "fashion" / "smoke" / "ood.md").read_text()
 
 
+def test_ood_does_not_read_another_commands_data_option_as_its_data_root(capsys):
+    """--data (train/run.py's and reproduce.py's option) is not a prefix of --data-root here."""
+    with pytest.raises(SystemExit) as done:
+        ood.main(["--data", "stl10"])
+    assert done.value.code == 2
+    assert "unrecognized arguments: --data stl10" in capsys.readouterr().err
+
+
 def test_ood_stl10_protocol_runs_train_run_and_reports(tmp_path, capsys):
     folder = tmp_path / "stl10_binary"
     folder.mkdir()

@@ -241,7 +241,9 @@ def run_stl10(args: argparse.Namespace) -> int:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # --data (the other experiments' option) is not --data-root here
     )
     parser.add_argument("--budget", choices=tuple(BUDGETS), default="reduced")
     parser.add_argument("--source", choices=("fashion", "mnist"), default="fashion")
