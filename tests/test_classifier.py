@@ -7,6 +7,7 @@ import dataclasses
 import io
 import json
 import logging
+import re
 import struct
 import subprocess
 import sys
@@ -150,6 +151,28 @@ def test_a_4d_array_is_a_batch():
     batch = np.stack([grey(seed=i)[..., None] for i in range(5)])  # [5, H, W, 1]
     probs = clf.predict_proba(batch)
     assert probs.shape == (5, 10) and run.calls == [(5, 1, 56, 56)]
+
+
+@pytest.mark.parametrize(
+    "shape, says",
+    [
+        ((5, 1, 56, 56), "pass array.transpose(0, 2, 3, 1)"),  # torch's N x C x H x W
+        ((3, 56, 56), "pass array.transpose(1, 2, 0)"),  # one image, channels first
+        ((5, 56, 56), "a stack of 5 grey images? pass array[..., None]"),
+    ],
+)
+def test_array_layouts_it_cannot_read_are_refused_with_the_fix(shape, says):
+    """What a torch user hands over (channels first, or a stack of grey images) is not
+    guessed at: the error names the layout expected and the one-line fix."""
+    clf, run = fake()
+    with pytest.raises(ValueError, match=re.escape(says)):
+        clf.predict_proba(np.zeros(shape, np.uint8))
+    assert run.calls == []
+    fixed = np.zeros(shape, np.uint8)
+    fixed = fixed.transpose(0, 2, 3, 1) if len(shape) == 4 else fixed.transpose(1, 2, 0)
+    if shape == (5, 56, 56):
+        fixed = np.zeros(shape, np.uint8)[..., None]
+    assert clf.predict_proba(fixed).shape[1] == 10
 
 
 # ---------------------------------------------------------------- outputs and batching

@@ -365,6 +365,11 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 def _as_list(images: Any) -> list[Any]:
     if isinstance(images, np.ndarray) and images.ndim == 4:
+        if images.shape[1] in (1, 3, 4) and images.shape[-1] not in (1, 3, 4):
+            raise ValueError(
+                f"array batches are N x H x W x C (channels last), got shape {images.shape}: "
+                "channels first? pass array.transpose(0, 2, 3, 1)"
+            )
         items: list[Any] = list(images)
     elif isinstance(images, (list, tuple)):
         items = list(images)
@@ -414,9 +419,14 @@ def _array_pixels(array: np.ndarray) -> np.ndarray:
     if array.ndim == 2:
         array = array[..., None]
     if array.ndim != 3 or array.shape[-1] not in (1, 3, 4):
+        hint = ""
+        if array.ndim == 3 and array.shape[0] in (1, 3, 4):
+            hint = " (channels first? pass array.transpose(1, 2, 0))"
+        elif array.ndim == 3:
+            hint = f" (a stack of {array.shape[0]} grey images? pass array[..., None])"
         raise ValueError(
             f"array images must be H x W, H x W x 1, H x W x 3 or H x W x 4, got shape "
-            f"{array.shape}"
+            f"{array.shape}{hint}; a batch is a list of images or an array N x H x W x C"
         )
     check_size(array.shape[1], array.shape[0])
     if array.dtype == np.uint8:
