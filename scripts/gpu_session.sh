@@ -33,7 +33,8 @@
 #    fused Triton kernels and through torch's operators (logs/kernels-check-*.json).
 # Comes back in $OUT: logs.tgz (logs/; fastpath/: fastpath.md, fastpath.json, profile.md, kernels.md,
 # align.md, step-cost.md; k-sweep/: sweep.md, sweep.json, accuracy-vs-time.png), record.tgz
-# (RESULTS: each finished run's summary and metrics, kept as each run finishes), split-check.tgz, and
+# (RESULTS: each finished run's summary and metrics, kept as each run finishes, and each run a
+# shard left unfinished parked in RESULTS/unfinished/: commit it and any machine resumes it), split-check.tgz, and
 # resume-<run>.tgz (each unfinished run's folder: unpack all into .gpu_resume/ and carry the
 # run folders into the next call, RESUME; with .gpu_data, about four runs fit a call's 64 MiB).
 #

@@ -379,6 +379,41 @@ def test_reproduce_keeps_each_run_as_it_finishes_and_reports(tmp_path, idx_sourc
     assert "| cnn | rs-fashion | 64 | no | ID | 1 |" in (kept / "table.md").read_text()
 
 
+def test_reproduce_parks_an_unfinished_run_in_the_record_and_resumes_it_elsewhere(
+    tmp_path, idx_source, monkeypatch
+):
+    """A call stopped inside a run copies its last.pt, best.pt and metrics into the committed
+    record's unfinished/; a later call on another --out (a fresh clone, another machine)
+    resumes from them instead of starting over, and drops them once the run is recorded."""
+    monkeypatch.setenv("RSTCNN_DATA", str(tmp_path / "cache"))
+    kept = tmp_path / "kept"
+    argv = ["--data", "rs-fashion", "--budget", "smoke", "--models", "cnn", "--augment", "no"]
+    argv += ["--data-root", str(idx_source), "--threads", "1", "--results", str(kept)]
+    real_run_one = reproduce.run_one
+
+    def stopped_before_its_test(spec, budget, opts):
+        real_run_one(spec, budget, opts)
+        (opts["root"] / spec.name / "summary.json").unlink()  # as if stopped after the epoch
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(reproduce, "run_one", stopped_before_its_test)
+    first = tmp_path / "first"
+    assert reproduce.main([*argv, "--trials", "1", "--out", str(first)]) == 1
+    parked = kept / "unfinished" / "cnn-64-t0"
+    assert sorted(p.name for p in parked.iterdir()) == ["best.pt", "last.pt", "metrics.jsonl"]
+    assert not (kept / "runs" / "cnn-64-t0").exists()
+    epochs = (parked / "metrics.jsonl").read_text()
+    assert epochs.count("\n") == 1
+
+    monkeypatch.setattr(reproduce, "run_one", real_run_one)
+    second = tmp_path / "second"
+    assert reproduce.main([*argv, "--trials", "1", "--out", str(second)]) == 0
+    run = second / "rs-fashion" / "smoke" / "cnn-64-t0"
+    assert (run / "metrics.jsonl").read_text() == epochs  # resumed: no epoch trained again
+    assert (kept / "runs" / "cnn-64-t0" / "summary.json").is_file()
+    assert not parked.exists()
+
+
 def test_train_trial_stops_on_sigint_even_when_started_ignoring_it(
     tmp_path, idx_source, monkeypatch
 ):

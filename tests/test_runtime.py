@@ -174,7 +174,12 @@ def test_release_free_memory_purges_what_a_retaining_jemalloc_keeps():
 @glibc_only
 @pytest.mark.parametrize(
     "script, heavy",
-    [("train/run.py", "torch"), ("export/to_onnx.py", "torch"), ("serve/app.py", "gradio")],
+    [
+        ("train/run.py", "torch"),
+        ("train/reproduce.py", "torch"),
+        ("export/to_onnx.py", "torch"),
+        ("serve/app.py", "gradio"),
+    ],
 )
 def test_a_command_re_executes_before_its_heavy_imports(script, heavy):
     """A command run as a script (as ``rstcnn.cli``'s console commands do) re-executes with

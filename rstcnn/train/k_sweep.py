@@ -49,7 +49,7 @@ if __package__ in (None, ""):
 from rstcnn.train import engine, reproduce
 from rstcnn.train.budgets import BUDGETS, SWEEP_MODELS, Budget, budget_config
 from rstcnn.train.experiments import plt
-from rstcnn.train.runtime import user_errors
+from rstcnn.train.runtime import use_retaining_allocator, user_errors
 from rstmodel import create_model
 from rstmodel.layers import native
 
@@ -286,4 +286,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    use_retaining_allocator()  # RSTCNN_ALLOCATOR (default: jemalloc): re-exec once
     sys.exit(main())

@@ -28,7 +28,13 @@ std beside the paper), ``results.csv``, ``accuracy.png`` and ``protocol.md`` int
 ``--out/<data>``.
 """
 
+# ruff: noqa: E402  (as a script it re-executes before its imports: rstcnn.cli)
 from __future__ import annotations
+
+if __name__ == "__main__":  # re-exec with the retaining heap, then run as rstcnn.train.reproduce
+    from rstcnn.cli import reproduce
+
+    reproduce()
 
 import argparse
 import concurrent.futures as futures
@@ -175,12 +181,70 @@ def keep(root: Path, results: Path, name: str) -> None:
                 tmp.replace(dest / file)
 
 
+PARKED = ("metrics.jsonl", "best.pt", "last.pt")  # copied in this order: last.pt marks "resumable"
+
+
+def _copy_run(src: Path, dest: Path) -> None:
+    """The files of ``PARKED`` that ``src`` has, each copied atomically into ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for file in PARKED:
+        if (src / file).is_file():
+            tmp = dest / f".{file}.tmp"
+            shutil.copyfile(src / file, tmp)
+            tmp.replace(dest / file)
+
+
+def park(root: Path, results: Path, name: str) -> bool:
+    """Copy an unfinished run's ``metrics.jsonl``, ``best.pt`` and ``last.pt`` from
+    ``root/<name>/`` to ``results/unfinished/<name>/``: the record is committed, so a later
+    call on a fresh clone or another machine resumes the run from its last completed epoch
+    (``unpark``) instead of starting it again. True where something was parked."""
+    folder = root / name
+    if (folder / "summary.json").is_file() or not (folder / "last.pt").is_file():
+        return False
+    _copy_run(folder, results / "unfinished" / name)
+    return True
+
+
+def unpark(root: Path, results: Path, name: str) -> bool:
+    """Before a run: where ``root/<name>/`` has no ``last.pt`` and the record has a parked
+    one (``park``), copy it there so the run resumes from it. True where it did."""
+    parked = results / "unfinished" / name
+    if (root / name / "last.pt").is_file() or not (parked / "last.pt").is_file():
+        return False
+    _copy_run(parked, root / name)
+    return True
+
+
+@contextlib.contextmanager
+def parked_on_leaving(todo: list[RunSpec], done: dict[RunSpec, Any], opts: dict[str, Any]):
+    """However ``run_all`` ends (all done, Ctrl-C, ``--deadline``, an error), every run of
+    ``todo`` left unfinished with a ``last.pt`` is parked in the record (``park``)."""
+    try:
+        yield
+    finally:
+        if opts.get("results") is not None:
+            for spec in todo:
+                if done[spec] is None and park(opts["root"], opts["results"], spec.name):
+                    log.warning(
+                        "%s is unfinished: parked in %s (commit it; the same command resumes it "
+                        "anywhere)",
+                        spec.name,
+                        opts["results"] / "unfinished" / spec.name,
+                    )
+
+
 def run_all(specs: list[RunSpec], budget: Budget, opts: dict[str, Any], jobs: int) -> list[dict]:
     """Every run not finished yet, ``jobs`` at a time in plan order; an ETA bar. Ctrl-C (or
     ``--deadline``) stops the run in progress at a batch boundary (its last.pt holds the last
     completed epoch) and starts no other."""
     done = {s: finished(opts["root"], s, opts.get("results")) for s in specs}
     todo = [s for s in specs if done[s] is None]
+    results = opts.get("results")
+    if results is not None:
+        for spec in todo:
+            if unpark(opts["root"], results, spec.name):
+                log.info("%s: resuming from the record's %s", spec.name, "unfinished/")
     if opts.get("resume_only"):  # only the runs begun elsewhere (e.g. carried from a GPU)
         todo = [s for s in todo if (opts["root"] / s.name / "last.pt").is_file()]
     log.info("%d runs: %d finished, %d to go", len(specs), len(specs) - len(todo), len(todo))
@@ -190,8 +254,9 @@ def run_all(specs: list[RunSpec], budget: Budget, opts: dict[str, Any], jobs: in
 
     def record(spec: RunSpec, summary: dict[str, Any]) -> None:
         done[spec] = summary
-        if opts.get("results"):
-            keep(opts["root"], opts["results"], spec.name)
+        if results is not None:
+            keep(opts["root"], results, spec.name)
+            shutil.rmtree(results / "unfinished" / spec.name, ignore_errors=True)
         bar.update(round(run_cost(spec, budget)))
         log.info(
             "%s: test %.2f %% (%.0f s); %d to go, %.0f s elapsed",
@@ -207,7 +272,7 @@ def run_all(specs: list[RunSpec], budget: Budget, opts: dict[str, Any], jobs: in
             "%s failed: %s (its folder keeps what it finished; rerun to resume)", spec.name, err
         )
 
-    with contextlib.closing(bar):
+    with contextlib.closing(bar), parked_on_leaving(todo, done, opts):
         if jobs <= 1:
             for spec in todo:
                 try:
@@ -606,7 +671,3 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(table, end="")
     return 0 if args.report or complete else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
