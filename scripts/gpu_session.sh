@@ -33,8 +33,8 @@
 #    fused Triton kernels and through torch's operators (logs/kernels-check-*.json).
 # Comes back in $OUT: logs.tgz (logs/; fastpath/: fastpath.md, fastpath.json, profile.md, kernels.md,
 # align.md, step-cost.md; k-sweep/: sweep.md, sweep.json, accuracy-vs-time.png), record.tgz
-# (RESULTS: each finished run's summary and metrics, kept as each run finishes, and each run a
-# shard left unfinished parked in RESULTS/unfinished/: commit it and any machine resumes it), split-check.tgz, and
+# (RESULTS: each finished run's summary and metrics, kept as each run finishes; not the runs a
+# shard parks in RESULTS/unfinished/, ~8 MB each, which come back as resume-*.tgz), split-check.tgz, and
 # resume-<run>.tgz (each unfinished run's folder: unpack all into .gpu_resume/ and carry the
 # run folders into the next call, RESUME; with .gpu_data, about four runs fit a call's 64 MiB).
 #
@@ -118,7 +118,7 @@ collect() {  # what has appeared so far -> $OUT (comes back even if the call is 
     local run
     (cd "$WORK" && tar czf "$OUT/fastpath.tmp" $(ls -d fastpath fastpath-aligned logs k-sweep 2>/dev/null)) \
         && mv -f "$OUT/fastpath.tmp" "$OUT/logs.tgz"
-    tar czf "$OUT/record.tmp" "$RESULTS" && mv -f "$OUT/record.tmp" "$OUT/record.tgz"
+    tar czf "$OUT/record.tmp" --exclude=unfinished "$RESULTS" && mv -f "$OUT/record.tmp" "$OUT/record.tgz"
     if [[ -d "$WORK/split-check" ]]; then
         (cd "$WORK" && tar czf "$OUT/split.tmp" split-check) && mv -f "$OUT/split.tmp" "$OUT/split-check.tgz"
     fi
