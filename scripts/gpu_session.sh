@@ -49,15 +49,16 @@ REPRO_SIZES="${REPRO_SIZES:-5000}"
 RESULTS="${RESULTS:-results/reproduce/rs-fashion-$REPRO_BUDGET}"
 # one process per shard: models (comma-separated) @ trials (N: trials 0..N-1; A-B: trials A..B,
 # so shards side by side train different trials of one model); cells in RESULTS are skipped.
-# The default fills the two cells the table lacks most (rot_cnn, the rotation-only peer of the
-# paper's central claim, whose trials 0-1 the CPU trained, and sesn) in ONE call: the last window
-# ran such runs at 6.3-6.5 s an epoch each with four to six side by side (13.7 s with nine), so
-# four to six 60-epoch runs take ~410 s with their tests, inside DEADLINE; nine did not finish
-# in 365 s, and runs left unfinished are lost unless the next call, or a session that keeps
-# their resume-*.tgz, carries them.
+# The default fills the cheap cell the N_tr 5000 table lacks (sesn; rot_cnn's three trials and
+# the CNN's and scale_cnn's were trained since, two of rot_cnn's on the CPU) in ONE call: the
+# last window ran such runs at 6.3-6.5 s an epoch each with four to six side by side (13.7 s
+# with nine), so three to six 60-epoch runs take ~410 s with their tests, inside DEADLINE; nine
+# did not finish in 365 s, and runs left unfinished are lost unless the next call, or a session
+# that keeps their resume-*.tgz, carries them.
 # rst_cnn_fb (~470 s alone) wants a call of its own: SHARDS="rst_cnn_fb@1-1 rst_cnn_fb@2-2".
-# A run resumes from .gpu_resume/ when its folder is carried there, else starts afresh.
-SHARDS="${SHARDS-rot_cnn@2-2 sesn@0-0 sesn@1-1 sesn@2-2}"
+# A run resumes from .gpu_resume/ when its folder is carried there, or from the committed
+# record's unfinished/ (train/reproduce.py parks what a CPU sitting left), else starts afresh.
+SHARDS="${SHARDS-sesn@0-0 sesn@1-1 sesn@2-2}"
 # train/fastpath.py's names, ';'-separated: bf16 with the fast paths' fused Triton kernels
 # and with the torch operators they replace (the faster one trains the shards below);
 # empty (the default): no fast-path run. The measurements of 2. run one after the other
