@@ -754,9 +754,20 @@ def test_row_batch_norm_through_the_column_kernel_is_its_torch_form(dtype, monke
     monkeypatch.setattr(native, "column_stats_available", lambda *_: False)
     plain = run()
     tol = 1e-4 if dtype == torch.float32 else 1e-2
-    names = ("y", "mean", "var", "x.grad", "w.grad", "b.grad")
-    for name, f, p in zip(names, fast, plain, strict=True):
+    for name, f, p in zip(("y", "mean", "var", "x.grad"), fast[:4], plain[:4], strict=True):
         torch.testing.assert_close(f.float(), p.float(), rtol=tol, atol=tol, msg=name)
+    # w.grad and b.grad are sums over 20,000 rows: two float32 sums in different orders (the
+    # torch form's follows the thread count) differ by more than an elementwise tolerance
+    # (1.4e-3 on sums of ~460 with one thread), so each form is held to the float64 sum of
+    # the same terms, to 1e-5 of the sum of the terms' magnitudes (float32 sums here: <= 1.2e-7
+    # in either dtype)
+    xhat = (x0.double() - mean) / torch.sqrt(var + 1e-5)
+    terms = {"w.grad": g.double() * xhat, "b.grad": g.double()}
+    for (name, t), f, p in zip(terms.items(), fast[4:], plain[4:], strict=True):
+        exact, scale = t.sum(0), t.abs().sum(0)
+        for form, got in (("compiled", f), ("torch", p)):
+            err = ((got.double() - exact).abs() / scale).max().item()
+            assert err < 1e-5, f"{name}, {form} form: {err:.1e} of the terms' magnitude"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
