@@ -167,31 +167,25 @@ def finished(root: Path, spec: RunSpec, results: Path | None = None) -> dict[str
     return None
 
 
-def keep(root: Path, results: Path, name: str) -> None:
-    """Copy a finished run's summary and per-epoch metrics from ``root/<name>/`` to
-    ``results/runs/<name>/``, the committed record that later calls (and other machines)
-    count as done; done as each run finishes, so a call cut off later loses none."""
-    folder, dest = root / name, results / "runs" / name
-    if (folder / "summary.json").is_file():
-        dest.mkdir(parents=True, exist_ok=True)
-        for file in ("metrics.jsonl", "summary.json"):  # the summary last: it marks "done"
-            if (folder / file).is_file():
-                tmp = dest / f".{file}.tmp"
-                shutil.copyfile(folder / file, tmp)
-                tmp.replace(dest / file)
-
-
 PARKED = ("metrics.jsonl", "best.pt", "last.pt")  # copied in this order: last.pt marks "resumable"
 
 
-def _copy_run(src: Path, dest: Path) -> None:
-    """The files of ``PARKED`` that ``src`` has, each copied atomically into ``dest``."""
+def _copy_run(src: Path, dest: Path, files: tuple[str, ...] = PARKED) -> None:
+    """Those of ``files`` that ``src`` has, in order, each copied atomically into ``dest``."""
     dest.mkdir(parents=True, exist_ok=True)
-    for file in PARKED:
+    for file in files:
         if (src / file).is_file():
             tmp = dest / f".{file}.tmp"
             shutil.copyfile(src / file, tmp)
             tmp.replace(dest / file)
+
+
+def keep(root: Path, results: Path, name: str) -> None:
+    """Copy a finished run's summary and per-epoch metrics from ``root/<name>/`` to
+    ``results/runs/<name>/``, the committed record that later calls (and other machines)
+    count as done; done as each run finishes, so a call cut off later loses none."""
+    if (root / name / "summary.json").is_file():  # the summary last: it marks "done"
+        _copy_run(root / name, results / "runs" / name, ("metrics.jsonl", "summary.json"))
 
 
 def park(root: Path, results: Path, name: str) -> bool:
@@ -217,20 +211,22 @@ def unpark(root: Path, results: Path, name: str) -> bool:
 
 
 @contextlib.contextmanager
-def parked_on_leaving(todo: list[RunSpec], done: dict[RunSpec, Any], opts: dict[str, Any]):
+def parked_on_leaving(
+    todo: list[RunSpec], done: dict[RunSpec, Any], root: Path, results: Path | None
+):
     """However ``run_all`` ends (all done, Ctrl-C, ``--deadline``, an error), every run of
     ``todo`` left unfinished with a ``last.pt`` is parked in the record (``park``)."""
     try:
         yield
     finally:
-        if opts.get("results") is not None:
+        if results is not None:
             for spec in todo:
-                if done[spec] is None and park(opts["root"], opts["results"], spec.name):
+                if done[spec] is None and park(root, results, spec.name):
                     log.warning(
                         "%s is unfinished: parked in %s (commit it; the same command resumes it "
                         "anywhere)",
                         spec.name,
-                        opts["results"] / "unfinished" / spec.name,
+                        results / "unfinished" / spec.name,
                     )
 
 
@@ -244,7 +240,7 @@ def run_all(specs: list[RunSpec], budget: Budget, opts: dict[str, Any], jobs: in
     if results is not None:
         for spec in todo:
             if unpark(opts["root"], results, spec.name):
-                log.info("%s: resuming from the record's %s", spec.name, "unfinished/")
+                log.info("%s: resuming from the record's unfinished/", spec.name)
     if opts.get("resume_only"):  # only the runs begun elsewhere (e.g. carried from a GPU)
         todo = [s for s in todo if (opts["root"] / s.name / "last.pt").is_file()]
     log.info("%d runs: %d finished, %d to go", len(specs), len(specs) - len(todo), len(todo))
@@ -272,7 +268,7 @@ def run_all(specs: list[RunSpec], budget: Budget, opts: dict[str, Any], jobs: in
             "%s failed: %s (its folder keeps what it finished; rerun to resume)", spec.name, err
         )
 
-    with contextlib.closing(bar), parked_on_leaving(todo, done, opts):
+    with contextlib.closing(bar), parked_on_leaving(todo, done, opts["root"], results):
         if jobs <= 1:
             for spec in todo:
                 try:
