@@ -194,7 +194,7 @@ def sweep_rows(
                 "trials": len(accs),
                 "accuracies": [round(a, 2) for a in accs],
                 "mean": statistics.fmean(accs) if accs else float("nan"),
-                "std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+                "std": statistics.pstdev(accs) if accs else 0.0,  # ddof=0, as report.mean_std
                 "eval_ms": eval_ms(net, args.time_batch, budget.image_size, args.repeats, device),
                 "eval_ms_b1": eval_ms(net, 1, budget.image_size, args.repeats, device),
             }
