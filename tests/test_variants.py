@@ -92,11 +92,33 @@ def test_the_app_serves_one_file_per_checkpoint(variants, model_paths, samples):
         build_app([variants["unchecked"]], samples_dir=folder)
 
 
-def timed_fake(name: str, fixed: float, per_image: float, calls: list) -> Classifier:
-    """A Classifier of one checkpoint ("abc") whose backend sleeps ``fixed + per_image * n``
-    seconds and logs (name, n)."""
-    import time
+class FakeClock:
+    """The clock ``serve.variants`` times with: a fake backend advances it by its modelled
+    cost, so the timings the decisions read are exact (a real sleep overshoots by
+    milliseconds on a loaded 2-core CI machine, which flipped 1.2x into 1.5x)."""
 
+    now = 0.0
+
+    @classmethod
+    def perf_counter(cls) -> float:
+        return cls.now
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """Used by every test of ``timed_fake`` copies (the real files above keep the real clock)."""
+    import types
+
+    import rstcnn.serve.variants as variants_module
+
+    monkeypatch.setattr(
+        variants_module, "time", types.SimpleNamespace(perf_counter=FakeClock.perf_counter)
+    )
+
+
+def timed_fake(name: str, fixed: float, per_image: float, calls: list) -> Classifier:
+    """A Classifier of one checkpoint ("abc") whose backend takes ``fixed + per_image * n``
+    seconds of the fake clock and logs (name, n)."""
     meta = {
         "rstcnn.model": "m",
         "rstcnn.class_names": json.dumps(["a", "b"]),
@@ -107,7 +129,7 @@ def timed_fake(name: str, fixed: float, per_image: float, calls: list) -> Classi
 
     def run(batch: np.ndarray) -> np.ndarray:
         calls.append((name, len(batch)))
-        time.sleep(fixed + per_image * len(batch))
+        FakeClock.now += fixed + per_image * len(batch)
         return np.zeros((len(batch), 2), np.float32)
 
     clf = Classifier(run, meta, [name])
@@ -115,7 +137,7 @@ def timed_fake(name: str, fixed: float, per_image: float, calls: list) -> Classi
     return clf
 
 
-def test_a_file_faster_alone_serves_single_images_and_the_other_the_sweeps():
+def test_a_file_faster_alone_serves_single_images_and_the_other_the_sweeps(fake_clock):
     calls: list = []
     lean = timed_fake("lean", 0.001, 0.010, calls)  # wins one image: 11 ms against 31
     wide = timed_fake("wide", 0.030, 0.001, calls)  # wins 16 images: 46 ms against 161
@@ -139,7 +161,7 @@ def test_a_file_faster_alone_serves_single_images_and_the_other_the_sweeps():
     assert kept == [wide] and sum(line.endswith(", served") for line in lines) == 1
 
 
-def test_a_file_only_a_little_faster_alone_does_not_take_the_single_images():
+def test_a_file_only_a_little_faster_alone_does_not_take_the_single_images(fake_clock):
     """Within ROUTE_MARGIN at one image the sweep's winner serves every call: start-up
     timings are noisy, and a joining engine is the faster one under concurrent load."""
     calls: list = []
@@ -150,7 +172,7 @@ def test_a_file_only_a_little_faster_alone_does_not_take_the_single_images():
     assert any(line.startswith("m (close.file)") and line.endswith(", slower") for line in lines)
 
 
-def test_a_copy_far_slower_at_the_screening_batch_is_not_run_at_the_sweeps():
+def test_a_copy_far_slower_at_the_screening_batch_is_not_run_at_the_sweeps(fake_clock):
     """Each copy warms up and runs once at sqrt(batch) images; only those within
     CONTENDER_MARGIN of the fastest there run the sweep's batch (warm-up and ``repeats``),
     the start-up's longest wait. One image: every copy (it may be routed single images)."""
@@ -171,7 +193,7 @@ def test_a_copy_far_slower_at_the_screening_batch_is_not_run_at_the_sweeps():
     assert any(line.startswith("m (quick.file)") and "ms per batch of 16" in line for line in lines)
 
 
-def test_a_sole_contender_is_served_without_the_sweeps_batch():
+def test_a_sole_contender_is_served_without_the_sweeps_batch(fake_clock):
     calls: list = []
     quick = timed_fake("quick", 0.010, 0.001, calls)
     slow = timed_fake("slow", 0.040, 0.004, calls)
@@ -180,7 +202,7 @@ def test_a_sole_contender_is_served_without_the_sweeps_batch():
     assert any(line.startswith("m (quick.file)") and line.endswith(", served") for line in lines)
 
 
-def test_a_copy_far_slower_at_its_first_run_is_not_timed_again():
+def test_a_copy_far_slower_at_its_first_run_is_not_timed_again(fake_clock):
     """Among contenders at the sweep's batch, one whose first timed run there is
     CONTENDER_MARGIN slower than the fastest first run is not timed again."""
     calls: list = []
