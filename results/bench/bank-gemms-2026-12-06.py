@@ -12,8 +12,9 @@ Prints each filter set's singular values (relative) and the two forms' times, ta
 
     python results/bench/bank-gemms-2026-12-06.py
 """
-import time, sys
-import numpy as np, torch, onnx, onnxruntime as ort
+import time
+import numpy as np
+import onnxruntime as ort
 from onnx import helper, numpy_helper, TensorProto
 from rstmodel.models.registry import create_model
 
