@@ -459,21 +459,32 @@ def _quantize(values: Tensor, top: Tensor, levels: int = 127) -> tuple[Tensor, T
     return torch.round(values.float() * inv), top / steps
 
 
+def _quantized_columns(g_re: Tensor, g_im: Tensor, levels: int, rows: int) -> tuple[Tensor, Tensor]:
+    """Filter spectra ``[F, K, N]`` quantized to ``levels`` per frequency and column (over
+    the K input columns, real and imaginary parts together): int16 ``[F, rows, T*TILE, 2]``
+    holding (Re, Im), zero past K rows and N columns, and float32 ``[F, T*TILE]`` each
+    column's scale (zero past N), for the integer kernels' packings."""
+    f, k, n = g_re.shape
+    width = -(-n // TILE) * TILE
+    top = torch.maximum(g_re.abs(), g_im.abs()).amax(1, keepdim=True)  # [F, 1, N]
+    (q_re, scale), (q_im, _) = _quantize(g_re, top, levels), _quantize(g_im, top, levels)
+    q = torch.zeros(f, rows, width, 2, dtype=torch.int16, device=g_re.device)
+    q[:, :k, :n, 0] = q_re.to(torch.int16)
+    q[:, :k, :n, 1] = q_im.to(torch.int16)
+    scales = torch.zeros(f, width, dtype=torch.float32, device=g_re.device)
+    scales[:, :n] = scale[:, 0]
+    return q, scales
+
+
 def pack_quads(g_re: Tensor, g_im: Tensor) -> QuadSpectra:
     """Filter spectra ``[F, K, N]`` (float32) quantized to 8 bits per frequency and column
     (``127 / max |Re G|, |Im G|`` over the K input columns), offset by 128 (unsigned) and
     packed for ``quad_rows_product``."""
     f, k, n = g_re.shape
     tiles, k2 = -(-n // TILE), -(-k // 2)
-    top = torch.maximum(g_re.abs(), g_im.abs()).amax(1, keepdim=True)  # [F, 1, N]
-    (q_re, scale), (q_im, _) = _quantize(g_re, top), _quantize(g_im, top)
-    q = torch.zeros(f, 2 * k2, tiles * TILE, 2, dtype=torch.int16, device=g_re.device)
-    q[:, :k, :n, 0] = q_re.to(torch.int16)
-    q[:, :k, :n, 1] = q_im.to(torch.int16)
+    q, scales = _quantized_columns(g_re, g_im, 127, 2 * k2)
     packed = (q + 128).to(torch.uint8).view(f, k2, 2, tiles, TILE, 2)
     packed = packed.permute(0, 3, 1, 4, 2, 5).contiguous()
-    scales = torch.zeros(f, tiles * TILE, dtype=torch.float32, device=g_re.device)
-    scales[:, :n] = scale[:, 0]
     return QuadSpectra(packed.view(f, tiles, k2, TILE, 4), scales)
 
 
@@ -575,14 +586,8 @@ def pack_words(g_re: Tensor, g_im: Tensor) -> WordSpectra:
     ``word_rows_product`` reads them."""
     f, k, n = g_re.shape
     tiles, levels = -(-n // TILE), word_levels(k)
-    top = torch.maximum(g_re.abs(), g_im.abs()).amax(1, keepdim=True)  # [F, 1, N]
-    (q_re, scale), (q_im, _) = _quantize(g_re, top, levels), _quantize(g_im, top, levels)
-    q = torch.zeros(f, k, tiles * TILE, 2, dtype=torch.int16, device=g_re.device)
-    q[:, :, :n, 0] = q_re.to(torch.int16)
-    q[:, :, :n, 1] = q_im.to(torch.int16)
+    q, scales = _quantized_columns(g_re, g_im, levels, k)
     packed = q.view(f, k, tiles, TILE, 2).transpose(1, 2).contiguous()
-    scales = torch.zeros(f, tiles * TILE, dtype=torch.float32, device=g_re.device)
-    scales[:, :n] = scale[:, 0]
     return WordSpectra(packed, scales, levels)
 
 
