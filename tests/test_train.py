@@ -256,7 +256,9 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source, pipelines_run):
             env={**os.environ, **settings, **more},
             capture_output=True,
             text=True,
-            timeout=600,
+            # ~50 s a call on an idle 2-core CPU; a hang guard with room for a loaded machine
+            # (600 s was hit twice beside a training run under nice)
+            timeout=1800,
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         return proc.stdout
