@@ -58,7 +58,7 @@ RESULTS="${RESULTS:-results/reproduce/rs-fashion-$REPRO_BUDGET}"
 # rst_cnn_fb (~470 s alone) wants a call of its own: SHARDS="rst_cnn_fb@1-1 rst_cnn_fb@2-2".
 # A run resumes from .gpu_resume/ when its folder is carried there, or from the committed
 # record's unfinished/ (train/reproduce.py parks what a CPU sitting left), else starts afresh.
-SHARDS="${SHARDS-sesn@1-1 sesn@2-2}"
+SHARDS="${SHARDS-sesn@2-2}"
 # train/fastpath.py's names, ';'-separated: bf16 with the fast paths' fused Triton kernels
 # and with the torch operators they replace (the faster one trains the shards below);
 # empty (the default): no fast-path run. The measurements of 2. run one after the other
