@@ -28,7 +28,7 @@
 #    there, or carry them in RESUME/split-check).
 # 4. train/k_sweep.py --report: the basis-size sweep's table and plot (accuracy against eval
 #    time on this card) from the record; its runs are shards like any other, e.g.
-#    SHARDS="rst_cnn_fb_k6,rst_cnn_fb_k9@3 rst_cnn_fb_k17,rst_cnn_fb_ref@3 rst_cnn_fb_nr4@3".
+#    REPRO_SIZES=5000 SHARDS="rst_cnn_fb_k6,rst_cnn_fb_k9@3 rst_cnn_fb_k17,rst_cnn_fb_ref@3 rst_cnn_fb_nr4@3".
 #    Beside them, the shipped rst_cnn_fb on 4,096 test images (KERNEL_CHECK_LIMIT) through the
 #    fused Triton kernels and through torch's operators (logs/kernels-check-*.json).
 # Comes back in $OUT: logs.tgz (logs/; fastpath/: fastpath.md, fastpath.json, profile.md, kernels.md,
@@ -45,20 +45,21 @@ set -uo pipefail
 DEVICE="${DEVICE:-cuda}"
 DEADLINE="${DEADLINE:-540}"          # seconds from the start of this script
 REPRO_BUDGET="${REPRO_BUDGET:-full}"
-REPRO_SIZES="${REPRO_SIZES:-5000}"
+REPRO_SIZES="${REPRO_SIZES:-2000}"
 RESULTS="${RESULTS:-results/reproduce/rs-fashion-$REPRO_BUDGET}"
 # one process per shard: models (comma-separated) @ trials (N: trials 0..N-1; A-B: trials A..B,
 # so shards side by side train different trials of one model); cells in RESULTS are skipped.
-# The default fills the cheap cell the N_tr 5000 table lacks (sesn; rot_cnn's three trials and
-# the CNN's and scale_cnn's were trained since, two of rot_cnn's on the CPU) in ONE call: the
-# last window ran such runs at 6.3-6.5 s an epoch each with four to six side by side (13.7 s
-# with nine), so three to six 60-epoch runs take ~410 s with their tests, inside DEADLINE; nine
-# did not finish in 365 s, and runs left unfinished are lost unless the next call, or a session
-# that keeps their resume-*.tgz, carries them.
-# rst_cnn_fb (~470 s alone) wants a call of its own: SHARDS="rst_cnn_fb@1-1 rst_cnn_fb@2-2".
+# The default fills the cheap cells the N_tr 2000 table lacks (rot_cnn's and scale_cnn's trials
+# 1-2; their trial 0 and every cheap N_tr 5000 cell were trained since, on the CPU) in ONE call:
+# the last window ran such runs at 6.3-6.5 s an epoch each with four to six side by side (13.7 s
+# with nine), so three to six 60-epoch runs take ~410 s with their tests, inside DEADLINE (an
+# N_tr 2000 epoch is 16 steps, not 40); nine did not finish in 365 s, and runs left unfinished
+# are lost unless the next call, or a session that keeps their resume-*.tgz, carries them.
+# An RST run wants a call of its own (rst_cnn_fb ~470 s alone, rst_cnn_plus_* ~3x that, so
+# resumed over calls): SHARDS="rst_cnn_fb@0-0" or REPRO_SIZES=5000 SHARDS="rst_cnn_plus_fb@0-0".
 # A run resumes from .gpu_resume/ when its folder is carried there, or from the committed
 # record's unfinished/ (train/reproduce.py parks what a CPU sitting left), else starts afresh.
-SHARDS="${SHARDS-sesn@2-2}"
+SHARDS="${SHARDS-rot_cnn@1-1 rot_cnn@2-2 scale_cnn@1-1 scale_cnn@2-2}"
 # train/fastpath.py's names, ';'-separated: bf16 with the fast paths' fused Triton kernels
 # and with the torch operators they replace (the faster one trains the shards below);
 # empty (the default): no fast-path run. The measurements of 2. run one after the other
@@ -80,6 +81,7 @@ STEP_COST_ARGS="${STEP_COST_ARGS-}"
 # (time, bytes moved, GB/s; fastpath/kernels.md; empty: skip)
 KERNEL_PROBE_ARGS="${KERNEL_PROBE_ARGS-}"
 K_SWEEP="${K_SWEEP-1}"  # the sweep's report (every sweep model, from the record); empty: skip
+K_SWEEP_SIZE="${K_SWEEP_SIZE:-5000}"  # the N_tr the sweep compares at (its runs: REPRO_SIZES=5000)
 SPLIT_CHECKPOINT="${SPLIT_CHECKPOINT-models/rst_cnn_fb.pt}"  # empty: no split check
 SPLIT_SERVED="${SPLIT_SERVED:-models/rst_cnn_fb.int8.onnx models/rst_cnn_fb.pt}"  # in turn
 SPLIT_THREADS="${SPLIT_THREADS:-6}"
@@ -266,7 +268,7 @@ log "test_cuda: $(tail -1 "$WORK/logs/test_cuda.log" 2>/dev/null)"
 log "split check: $(grep -E '^[0-9]+ of [0-9]+ images' "$WORK/logs/split-check.log" 2>/dev/null | tr '\n' ' ')"
 if [[ -n "$K_SWEEP" ]]; then
     timeout 180 "$PY" train/k_sweep.py --report --budget "$REPRO_BUDGET" \
-        --train-size "${REPRO_SIZES%% *}" --results "$RESULTS" --out "$WORK/reproduce" \
+        --train-size "$K_SWEEP_SIZE" --results "$RESULTS" --out "$WORK/reproduce" \
         --sweep-out "$WORK/k-sweep" --device "$DEVICE" >"$WORK/logs/k-sweep.log" 2>&1 \
         || log "k_sweep exit $?"
     log "k sweep: $(grep -m1 '^Verdict' "$WORK/k-sweep/sweep.md" 2>/dev/null)"

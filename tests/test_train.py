@@ -244,6 +244,7 @@ def test_gpu_session_script_dry_run_on_cpu(tmp_path, source, pipelines_run):
         "SPLIT_LIMIT": "8",  # the served file against its checkpoint on the last 8 test images
         "SPLIT_THREADS": "1",
         "K_SWEEP": "1",
+        "K_SWEEP_SIZE": "64",
         "KERNEL_PROBE_ARGS": f"--batch 2 --steps 1 {bf16}--model-arg channels=(4,6,8)",
         "KERNEL_CHECK_LIMIT": "8",  # a checkpoint of this small source (the shipped one's is 70K)
         "KERNEL_CHECK_CHECKPOINT": str(pipelines_run / "best.pt"),
