@@ -52,11 +52,12 @@ RESULTS="${RESULTS:-results/reproduce/rs-fashion-$REPRO_BUDGET}"
 # The default trains the N_tr 2000 table's next RST-CNN trials (rst_cnn_fb's trial 2,
 # rst_cnn_sl's trials 0 and 1): every cheaper N_tr 2000 and 5000 cell (cnn, rot_cnn,
 # scale_cnn) has three trials, trained on the CPU, and rst_cnn_fb's trials 0 and 1 were
-# trained there. An N_tr 2000 epoch is 16 steps, not 40, so these three side by side are
-# expected (not yet measured) to finish inside DEADLINE; the last window ran cheap peers at
-# 6.3-6.5 s an epoch each with four to six side by side (13.7 s with nine; nine did not finish
-# in 365 s). Runs left unfinished are lost unless the next call, or a session that keeps their
-# resume-*.tgz, carries them.
+# trained there; trial 2 was begun there (its last.pt is parked in the record's unfinished/,
+# so that shard only finishes it). An N_tr 2000 epoch is 16 steps, not 40, so these three
+# side by side are expected (not yet measured) to finish inside DEADLINE; the last window
+# ran cheap peers at 6.3-6.5 s an epoch each with four to six side by side (13.7 s with
+# nine; nine did not finish in 365 s). Runs left unfinished are lost unless the next call,
+# or a session that keeps their resume-*.tgz, carries them.
 # An RST run at N_tr 5000 wants a call of its own (rst_cnn_fb ~470 s alone, rst_cnn_plus_* ~3x
 # that, so resumed over calls): REPRO_SIZES=5000 SHARDS="rst_cnn_plus_fb@0-0".
 # A run resumes from .gpu_resume/ when its folder is carried there, or from the committed
