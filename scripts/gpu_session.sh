@@ -54,7 +54,8 @@ RESULTS="${RESULTS:-results/reproduce/rs-fashion-$REPRO_BUDGET}"
 # on the CPU, as has rst_cnn_fb's N_tr 2000 cell; rst_cnn_sl's trial 0 was begun there (its
 # last.pt is parked in the record's unfinished/, so that shard resumes it). An N_tr 2000
 # epoch is 16 steps, not 40: rst_cnn_fb alone took ~470 s a run at 5000, so ~190 s at 2000,
-# rst_cnn_sl ~1.3x that; three side by side are not yet measured and may want two calls.
+# rst_cnn_sl ~1.4x that (on the CPU); three side by side are not yet measured and may
+# want two calls.
 # The last window ran cheap peers at 6.3-6.5 s an epoch each with four to six side by side
 # (13.7 s with nine; nine did not finish in 365 s). Runs left unfinished are lost unless
 # the next call, or a session that keeps their resume-*.tgz, carries them.
