@@ -49,11 +49,10 @@ REPRO_SIZES="${REPRO_SIZES:-2000}"
 RESULTS="${RESULTS:-results/reproduce/rs-fashion-$REPRO_BUDGET}"
 # one process per shard: models (comma-separated) @ trials (N: trials 0..N-1; A-B: trials A..B,
 # so shards side by side train different trials of one model); cells in RESULTS are skipped.
-# The default trains the N_tr 2000 table's next RST-CNN trials (rst_cnn_sl's trials 1-2):
+# The default trains the N_tr 2000 table's next RST-CNN trial (rst_cnn_sl's trial 2):
 # every cheaper N_tr 2000 and 5000 cell (cnn, rot_cnn, scale_cnn) has three trials, trained
-# on the CPU, as has rst_cnn_fb's N_tr 2000 cell; rst_cnn_sl's trial 0 is recorded and its
-# trial 1 was begun there (its last.pt is parked in the record's unfinished/, so that shard
-# resumes it). An N_tr 2000 epoch is 16 steps, not 40: rst_cnn_fb alone took ~470 s a run at
+# on the CPU, as has rst_cnn_fb's N_tr 2000 cell; rst_cnn_sl's trials 0-1 are recorded
+# there. An N_tr 2000 epoch is 16 steps, not 40: rst_cnn_fb alone took ~470 s a run at
 # 5000, so ~190 s at 2000, rst_cnn_sl ~1.4x that (on the CPU); two side by side are not yet
 # measured and may want two calls.
 # The last window ran cheap peers at 6.3-6.5 s an epoch each with four to six side by side
@@ -63,7 +62,7 @@ RESULTS="${RESULTS:-results/reproduce/rs-fashion-$REPRO_BUDGET}"
 # that, so resumed over calls): REPRO_SIZES=5000 SHARDS="rst_cnn_plus_fb@0-0".
 # A run resumes from .gpu_resume/ when its folder is carried there, or from the committed
 # record's unfinished/ (train/reproduce.py parks what a CPU sitting left), else starts afresh.
-SHARDS="${SHARDS-rst_cnn_sl@1-1 rst_cnn_sl@2-2}"
+SHARDS="${SHARDS-rst_cnn_sl@2-2}"
 # train/fastpath.py's names, ';'-separated: bf16 with the fast paths' fused Triton kernels
 # and with the torch operators they replace (the faster one trains the shards below);
 # empty (the default): no fast-path run. The measurements of 2. run one after the other
